@@ -1,0 +1,21 @@
+"""eagle2-jax: EAGLE-2 speculative decoding (dynamic draft trees) in JAX/Flax.
+
+Lossless: greedy output is token-identical to plain decoding of the target, and sampled output
+follows the target's distribution.
+"""
+from .batching import GenerateOutput
+from .checkpoints import CheckpointError, load_target
+from .config import ModelConfig, SamplingConfig, TreeConfig
+from .draft import Draft, init_draft
+from .draft_io import load_draft, save_draft
+from .eagle import generate
+from .model import Target, forward, init_target
+from .sharding import make_mesh, parse_mesh
+from .vanilla import generate_vanilla
+
+__all__ = [
+    "CheckpointError", "Draft", "GenerateOutput", "ModelConfig", "SamplingConfig", "Target", "TreeConfig",
+    "forward", "generate", "generate_vanilla", "init_draft", "init_target", "load_draft", "load_target",
+    "make_mesh", "parse_mesh", "save_draft",
+]
+__version__ = "0.1.0"

