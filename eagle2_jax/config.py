@@ -63,6 +63,13 @@ class ModelConfig:
         if model_type not in cls.SUPPORTED_TYPES:
             raise ValueError(f"unsupported architecture {model_type!r}: supported are "
                              f"{', '.join(cls.SUPPORTED_TYPES)}")
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict):  # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters
+            d = dict(d)
+            if "rope_theta" in rp:
+                d["rope_theta"] = rp["rope_theta"]
+            scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+            d["rope_scaling"] = scaling or None
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         eos = kw.get("eos_token_id")

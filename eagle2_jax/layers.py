@@ -49,7 +49,7 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotary embedding in Hugging Face's half-split convention, computed in float32."""
-    angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)[None, None]
     cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, Dh/2]
     sin = jnp.sin(angles)[:, :, None, :]
     x = x_BTHD.astype(jnp.float32)
@@ -67,7 +67,7 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return scale * xf.astype(self.dtype)
+        return scale.reshape((1,) * (x.ndim - 1) + (-1,)) * xf.astype(self.dtype)
 
 
 def attend(q_BTHD, cache_k_BSKD, cache_v_BSKD, cache_len_B, local_k_BUKD, local_v_BUKD,

@@ -1,0 +1,157 @@
+"""Target model: against Hugging Face's PyTorch Llama (tiny random, built here), cache paths, errors."""
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import have_torch
+from eagle2_jax import ModelConfig, forward, init_target, load_target
+from eagle2_jax.cache import commit, init_cache
+from eagle2_jax.checkpoints import CheckpointError
+from eagle2_jax.layers import causal_mask
+from eagle2_jax.model import target_apply, target_logits
+from helpers import tiny_config
+
+HF_CASES = {
+    "gqa_untied": dict(),
+    "tied": dict(tie_word_embeddings=True),
+    "mha": dict(num_key_value_heads=4),
+    "llama3_rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                        rope_theta=500000.0),
+    "qwen2_bias": dict(model_type="qwen2"),
+}
+
+
+def _hf_model(tmp_path, case):
+    import torch
+    import transformers
+    kw = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              tie_word_embeddings=False, rms_norm_eps=1e-5)
+    kw.update(HF_CASES[case])
+    torch.manual_seed(0)
+    if kw.get("model_type") == "qwen2":
+        kw.pop("model_type")
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    with torch.no_grad():  # non-trivial norms and biases
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight") or n.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    d = tmp_path / case
+    model.save_pretrained(d, safe_serialization=True)
+    return model, d
+
+
+@pytest.mark.skipif(not have_torch(), reason="torch not installed (test extra)")
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_logits_match_hf(tmp_path, case):
+    import torch
+    model, d = _hf_model(tmp_path, case)
+    target = load_target(str(d))
+    ids = np.random.default_rng(0).integers(0, 96, size=(2, 40))
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(forward(target, ids))
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not have_torch(), reason="torch not installed (test extra)")
+def test_sharded_safetensors_index(tmp_path):
+    import torch
+    model, _ = _hf_model(tmp_path, "gqa_untied")
+    d = tmp_path / "sharded"
+    model.save_pretrained(d, safe_serialization=True, max_shard_size="20KB")
+    assert os.path.exists(d / "model.safetensors.index.json")
+    ids = np.arange(10)[None]
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(forward(load_target(str(d)), ids)), ref, atol=1e-4, rtol=0)
+
+
+def test_cache_path_equals_full_forward():
+    t = init_target(tiny_config(), 0)
+    m = t.module
+    ids = np.random.default_rng(1).integers(0, 64, size=(2, 12)).astype(np.int32)
+    full = np.asarray(forward(t, ids))
+    cache = init_cache(2, 2, 32, 2, 8, jnp.float32)
+    # prefill 5 tokens, then 1, then 6 at once through the cache
+    outs = []
+    for lo, hi in ((0, 5), (5, 6), (6, 12)):
+        T = hi - lo
+        pos = jnp.broadcast_to(jnp.arange(lo, hi), (2, T)).astype(jnp.int32)
+        f, kv = target_apply(m, t.params, jnp.asarray(ids[:, lo:hi]), pos, cache, causal_mask(2, T))
+        cache = commit(cache, kv, jnp.full((2,), T, jnp.int32))
+        outs.append(np.asarray(target_logits(m, t.params, f)))
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5, rtol=0)
+
+
+def test_bfloat16_params_close_to_float32():
+    cfg = tiny_config()
+    import dataclasses
+    import jax
+    t32 = init_target(cfg, 0)
+    assert init_target(cfg, 0, dtype="bfloat16").params["embed"].dtype == jnp.bfloat16
+    t16 = dataclasses.replace(t32, dtype=jnp.bfloat16,
+                              params=jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), t32.params))
+    ids = np.arange(8)[None]
+    a, b = np.asarray(forward(t32, ids)), np.asarray(forward(t16, ids))
+    assert b.dtype == np.float32
+    assert np.abs(a - b).max() < 0.05 * np.abs(a).max() + 0.05
+
+
+def test_unknown_model_name():
+    with pytest.raises(CheckpointError, match="unknown model 'no-such-model'"):
+        load_target("no-such-model")
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        init_target(tiny_config(), dtype="float16")
+
+
+def test_corrupt_files(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointError, match="corrupt GGUF file"):
+        load_target(str(bad))
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_target(str(d))
+    (d / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="corrupt safetensors"):
+        load_target(str(d))
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt config"):
+        load_target(str(d))
+
+
+def test_unsupported_architecture(tmp_path):
+    d = tmp_path / "gpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        load_target(str(d))
+
+
+def test_missing_tensor(tmp_path):
+    from safetensors.numpy import save_file
+    cfg = tiny_config(num_hidden_layers=1)
+    d = tmp_path / "partial"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    save_file({"model.embed_tokens.weight": np.zeros((64, 32), np.float32)}, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="missing tensor"):
+        load_target(str(d))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="multiple of"):
+        ModelConfig(num_attention_heads=4, num_key_value_heads=3, hidden_size=32)

@@ -1,0 +1,125 @@
+"""EAGLE-2 sampling is lossless: the first 3 generated tokens follow the target's exact distribution.
+
+A small vocabulary (8) and a context-dependent random target give 512 outcomes whose exact
+probabilities come from the target itself (same logits processing). ~100k EAGLE-2 samples
+(batched rows with independent keys) are compared by a chi-square test; cells with expected count
+< 5 are pooled. The test fails when p < 1e-6, so its false-alarm rate is 1e-6 per configuration.
+The same test run with deliberately wrong acceptance rules must fail.
+"""
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle2_jax import SamplingConfig, TreeConfig, forward, generate
+from eagle2_jax import verify as verify_mod
+from eagle2_jax.sampling import target_probs
+from helpers import tiny_pair
+
+V = 8
+PROMPT = [1, 5, 2]
+ROWS, CALLS = 16384, 7  # 114,688 samples
+P_THRESHOLD = 1e-6
+
+
+@pytest.fixture(scope="module")
+def pair():
+    t, d = tiny_pair(3, vocab_size=V, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=32)
+    t.params = dict(t.params, lm_head=t.params["lm_head"] * 40.0)  # peaked, context-dependent
+    d.params = jax.tree_util.tree_map(lambda x: x * 3.0, d.params)
+    return t, d
+
+
+def exact_distribution(target, s: SamplingConfig):
+    seqs = np.array(list(itertools.product(range(V), repeat=3)))  # [512, 3]
+    ids = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1)
+    logits = forward(target, ids)[:, len(PROMPT) - 1:len(PROMPT) + 2]  # predicts x1, x2, x3
+    probs = np.asarray(target_probs(logits, s), np.float64)
+    p = probs[np.arange(len(seqs)), 0, seqs[:, 0]] * probs[np.arange(len(seqs)), 1, seqs[:, 1]] \
+        * probs[np.arange(len(seqs)), 2, seqs[:, 2]]
+    return p / p.sum()
+
+
+def chi_square_p(counts, expected_p):
+    n = counts.sum()
+    exp = expected_p * n
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    ex = np.append(exp[big], exp[~big].sum())
+    keep = ex > 0
+    obs, ex = obs[keep], ex[keep]
+    stat = float(((obs - ex) ** 2 / ex).sum())
+    k = len(obs) - 1
+    # Wilson-Hilferty normal approximation of the chi-square upper tail
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2)), stat, k
+
+
+def sample_counts(target, draft, tree, temperature, top_p):
+    counts = np.zeros(V ** 3, np.int64)
+    for seed in range(CALLS):
+        out = generate(target, draft, [PROMPT] * ROWS, max_new_tokens=3, temperature=temperature,
+                       top_p=top_p, seed=1000 + seed, tree=tree)
+        toks = np.array(out.tokens)
+        np.add.at(counts, toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], 1)
+    return counts
+
+
+TREES = {"chain": TreeConfig(depth=2, top_k=1, total_tokens=3), "tree": TreeConfig(depth=2, top_k=3, total_tokens=8)}
+CASES = [(tree, temp, top_p) for tree in TREES for temp in (0.7, 1.0) for top_p in (1.0, 0.8)]
+
+
+@pytest.mark.parametrize("tree,temperature,top_p", CASES)
+def test_sampling_matches_target_distribution(pair, tree, temperature, top_p):
+    t, d = pair
+    expected = exact_distribution(t, SamplingConfig(temperature, 0, top_p))
+    counts = sample_counts(t, d, TREES[tree], temperature, top_p)
+    p, stat, k = chi_square_p(counts, expected)
+    assert p > P_THRESHOLD, f"chi2={stat:.1f} on {k} dof, p={p:.2e}"
+
+
+def _always_accept(probs_NV, tokens_N, parents_N, key):
+    N = tokens_N.shape[0]
+
+    def body(j, carry):
+        cur, p = carry
+        take = parents_N[j] == cur
+        return jnp.where(take, j, cur), jnp.where(take, probs_NV[j], p)
+
+    cur, p = jax.lax.fori_loop(1, N, body, (jnp.int32(0), probs_NV[0]))
+    return cur, jax.random.categorical(key, jnp.log(jnp.maximum(p, 1e-38))).astype(jnp.int32)
+
+
+def _no_residual(probs_NV, tokens_N, parents_N, key):
+    """Accepts with the right probability but draws the bonus from p, not the residual."""
+    N = tokens_N.shape[0]
+    k_u, k_b = jax.random.split(key)
+    u = jax.random.uniform(k_u, (N,))
+
+    def body(j, carry):
+        cur, p, stop = carry
+        mine = (parents_N[j] == cur) & ~stop
+        take = mine & (u[j] < p[tokens_N[j]])
+        return jnp.where(take, j, cur), jnp.where(take, probs_NV[j], p), stop
+
+    cur, p, _ = jax.lax.fori_loop(1, N, body, (jnp.int32(0), probs_NV[0], False))
+    return cur, jax.random.categorical(k_b, jnp.log(jnp.maximum(p, 1e-38))).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("broken", [_always_accept, _no_residual], ids=["always_accept", "no_residual"])
+def test_wrong_acceptance_rule_is_caught(pair, monkeypatch, broken):
+    t, d = pair
+    monkeypatch.setattr(verify_mod, "_walk_row", broken)
+    jax.clear_caches()
+    try:
+        expected = exact_distribution(t, SamplingConfig(1.0, 0, 1.0))
+        counts = sample_counts(t, d, TREES["tree"], 1.0, 1.0)
+        p, stat, k = chi_square_p(counts, expected)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert p < P_THRESHOLD, f"broken rule passed: chi2={stat:.1f} on {k} dof, p={p:.2e}"

@@ -1,0 +1,46 @@
+"""Sharded (8 host CPU devices, several mesh layouts) equals unsharded, token for token."""
+import jax
+import pytest
+
+from eagle2_jax import TreeConfig, generate, generate_vanilla, init_draft, init_target, make_mesh, parse_mesh
+from eagle2_jax.sharding import param_shardings
+from helpers import tiny_config
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+LAYOUTS = [(1, 2), (2, 1), (2, 4), (1, 8), (4, 2)]
+CFG = tiny_config(num_attention_heads=8, num_key_value_heads=4, hidden_size=64, intermediate_size=128)
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    t = init_target(CFG, 0)
+    d = init_draft(t, 1)
+    van = generate_vanilla(t, PROMPTS, max_new_tokens=12).tokens
+    eag = generate(t, d, PROMPTS, max_new_tokens=12, tree=TreeConfig(3, 3, 12)).tokens
+    smp = generate(t, d, PROMPTS, max_new_tokens=12, temperature=1.0, seed=4, tree=TreeConfig(3, 3, 12)).tokens
+    return van, eag, smp
+
+
+@pytest.mark.parametrize("data,model", LAYOUTS)
+def test_sharded_equals_unsharded(reference, data, model):
+    mesh = make_mesh(data, model)
+    t = init_target(CFG, 0, mesh=mesh)
+    d = init_draft(t, 1)
+    spec = param_shardings(t.params, mesh)["layers_0"]["mlp"]["gate"]["kernel"].spec
+    assert spec == jax.sharding.PartitionSpec(None, "model" if model > 1 else None)
+    assert t.params["layers_0"]["mlp"]["gate"]["kernel"].sharding.mesh.shape == mesh.shape
+    van, eag, smp = reference
+    assert generate_vanilla(t, PROMPTS, max_new_tokens=12).tokens == van
+    assert generate(t, d, PROMPTS, max_new_tokens=12, tree=TreeConfig(3, 3, 12)).tokens == eag
+    assert generate(t, d, PROMPTS, max_new_tokens=12, temperature=1.0, seed=4, tree=TreeConfig(3, 3, 12)).tokens == smp
+
+
+def test_parse_mesh():
+    assert parse_mesh(None) is None
+    assert dict(parse_mesh("data=2,model=4").shape) == {"data": 2, "model": 4}
+    with pytest.raises(ValueError, match="bad --mesh"):
+        parse_mesh("data=two")
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        parse_mesh("data=4,model=4")

@@ -1,0 +1,118 @@
+"""Tree building properties (hypothesis): connected, parents first, ancestor-closure mask, depths,
+top-scored selection, and rows never see each other's data."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from eagle2_jax import TreeConfig
+from eagle2_jax.tree import Pool, rerank
+from eagle2_jax.verify import accept_greedy, path_to
+
+
+def synthetic_pool(rng, K, D, ties=False):
+    """A pool with expand()'s structure: level-major, children scored parent + log-prob."""
+    def child_logps(n):
+        lp = np.sort(np.log(rng.dirichlet(np.ones(K + 3)))[:K])[::-1]
+        if ties and rng.random() < 0.5:
+            lp = np.zeros(K) if rng.random() < 0.3 else np.round(lp, 1)
+        return lp
+    toks = [rng.permutation(50)[:K]]
+    scores = [child_logps(K)]
+    parents = [np.full(K, -1)]
+    frontier = np.argsort(-scores[0], kind="stable")[:K]
+    f_scores, f_idx = scores[0][frontier], frontier
+    base = K
+    for level in range(D):
+        cs = np.stack([f_scores[i] + child_logps(K) for i in range(K)]).reshape(-1)
+        ct = np.stack([rng.permutation(50)[:K] for _ in range(K)]).reshape(-1)
+        scores.append(cs)
+        toks.append(ct)
+        parents.append(np.repeat(f_idx, K))
+        pick = np.argsort(-cs, kind="stable")[:K]
+        f_scores, f_idx = cs[pick], base + pick
+        base += K * K
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt)  # noqa: E731
+    return cat(toks, np.int32), cat(scores, np.float32), cat(parents, np.int32)
+
+
+def check_tree(tokens, parents, anc, depths, pool_tok, pool_score, pool_parent, N, root):
+    assert tokens[0] == root and parents[0] == -1 and depths[0] == 0
+    for i in range(1, N):
+        assert 0 <= parents[i] < i  # connected, parent precedes child
+        assert depths[i] == depths[parents[i]] + 1
+    for i in range(N):  # ancestor closure
+        chain, j = {i}, i
+        while parents[j] >= 0:
+            j = parents[j]
+            chain.add(j)
+        assert set(np.flatnonzero(anc[i])) == chain
+    # the selection is a top-(N-1) set of the pool scores, tokens taken from the pool
+    sel_scores = []
+    for i in range(1, N):
+        matches = [p for p in range(len(pool_tok)) if pool_tok[p] == tokens[i]]
+        assert matches
+    # scores of the selection equal the N-1 largest pool scores as a multiset
+    top = np.sort(pool_score)[::-1][:N - 1]
+    return top, sel_scores
+
+
+@settings(max_examples=40, deadline=None)
+@given(K=st.integers(1, 5), D=st.integers(1, 4), frac=st.floats(0, 1), seed=st.integers(0, 2**31 - 1),
+       ties=st.booleans())
+def test_rerank_properties(K, D, frac, seed, ties):
+    rng = np.random.default_rng(seed)
+    pool_size = K + D * K * K
+    N = 1 + int(round(frac * pool_size))
+    cfg = TreeConfig(depth=D, top_k=K, total_tokens=N)
+    B = 3
+    pools = [synthetic_pool(rng, K, D, ties) for _ in range(B)]
+    pool = Pool(*(jnp.asarray(np.stack([p[i] for p in pools])) for i in range(3)))
+    roots = jnp.asarray(rng.integers(0, 50, B), jnp.int32)
+    t = jax.jit(rerank, static_argnums=2)(pool, roots, cfg)
+    for b in range(B):
+        tok, par, anc, dep = (np.asarray(x[b]) for x in (t.tokens_BN, t.parents_BN, t.ancestors_BNN, t.depths_BN))
+        check_tree(tok, par, anc, dep, *pools[b], N, int(roots[b]))
+        assert dep.max() <= D + 1
+        # the selected pool scores are the N-1 largest
+        if N > 1:
+            sel = np.sort(np.asarray(jax.lax.top_k(pool.scores_BP[b], N - 1)[1]))
+            np.testing.assert_array_equal(tok[1:], pools[b][0][sel])
+        # each row alone gives the same tree: no cross-row gathers
+        alone = rerank(Pool(*(x[b:b + 1] for x in (pool.tokens_BP, pool.scores_BP, pool.parents_BP))),
+                       roots[b:b + 1], cfg)
+        np.testing.assert_array_equal(np.asarray(alone.parents_BN[0]), par)
+        np.testing.assert_array_equal(np.asarray(alone.tokens_BN[0]), tok)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_greedy_accept_walks_a_valid_path(seed):
+    rng = np.random.default_rng(seed)
+    K, D, N = 3, 3, 14
+    cfg = TreeConfig(D, K, N)
+    B = 2
+    pools = [synthetic_pool(rng, K, D) for _ in range(B)]
+    pool = Pool(*(jnp.asarray(np.stack([p[i] for p in pools])) for i in range(3)))
+    t = rerank(pool, jnp.asarray([3, 4], jnp.int32), cfg)
+    logits = jnp.asarray(rng.normal(size=(B, N, 50)), jnp.float32)
+    # make the target agree with the tree along a random branch
+    tok = np.asarray(t.tokens_BN)
+    par = np.asarray(t.parents_BN)
+    lg = np.asarray(logits).copy()
+    for b in range(B):
+        for i in range(1, N):
+            if rng.random() < 0.7:
+                lg[b, par[b, i], tok[b, i]] = 100.0 + rng.random()
+    path, n_acc, bonus = accept_greedy(t, jnp.asarray(lg), D + 2)
+    g = lg.argmax(-1)
+    for b in range(B):
+        p = np.asarray(path[b])[:int(n_acc[b])]
+        assert p[0] == 0
+        for a, c in zip(p[:-1], p[1:]):
+            assert par[b, c] == a and tok[b, c] == g[b, a]
+        last = p[-1]
+        assert int(bonus[b]) == g[b, last]
+        # no child of the last node matches: the path is maximal
+        kids = [c for c in range(1, N) if par[b, c] == last]
+        assert all(tok[b, c] != g[b, last] for c in kids)
