@@ -13,9 +13,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .cache import KVCache
+from .cache import KVCache, init_cache
 from .config import ModelConfig
-from .layers import DecoderLayer
+from .layers import DecoderLayer, cache_mask
 from .model import Target, resolve_dtype
 
 
@@ -26,16 +26,16 @@ class EagleDraft(nn.Module):
 
     @nn.compact
     def __call__(self, embeds_BTD, features_BTD, positions_BT, cache: KVCache, local_mask_BTU,
-                 local_buffer=None, local_offset=0):
-        """Returns (hidden [B,T,D] predicting the next feature, local (k, v))."""
+                 offset: int = 0):
+        """Returns (hidden [B,T,D] predicting the next feature, cache with the new keys/values
+        written at length+offset; masks as in `Llama.__call__`)."""
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = nn.Dense(self.config.hidden_size, use_bias=self.bias, dtype=self.dtype,
                      param_dtype=self.dtype, name="fc")(x)
-        ck = cache.k[0] if cache is not None else None
-        cv = cache.v[0] if cache is not None else None
-        clen = cache.length if cache is not None else None
-        return DecoderLayer(self.config, self.dtype, input_norm=False, name="layers_0")(
-            x, positions_BT, ck, cv, clen, local_mask_BTU, local_buffer, local_offset)
+        mask = cache_mask(cache.length, local_mask_BTU, cache.max_len)
+        h, (k, v) = DecoderLayer(self.config, self.dtype, input_norm=False, name="layers_0")(
+            x, positions_BT, cache.k[0], cache.v[0], cache.length + offset, mask)
+        return h, cache.replace(k=(k,), v=(v,))
 
 
 @dataclasses.dataclass
@@ -76,7 +76,8 @@ def _dummy_inputs(config, dtype):
     B, T, D = 1, 2, config.hidden_size
     from .layers import causal_mask
     z = jnp.zeros((B, T, D), dtype)
-    return z, z, jnp.zeros((B, T), jnp.int32), None, causal_mask(B, T)
+    cache = init_cache(1, B, T, config.num_key_value_heads, config.head_dim, dtype)
+    return z, z, jnp.zeros((B, T), jnp.int32), cache, causal_mask(B, T)
 
 
 def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, **config_overrides) -> Draft:
@@ -90,7 +91,5 @@ def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, **c
     return Draft(config, shard_params(params, target.mesh), bias, dt)
 
 
-def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, local_mask,
-                local_buffer=None, local_offset=0):
-    return module.apply({"params": params}, embeds, features, positions, cache, local_mask,
-                        local_buffer, local_offset)
+def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, local_mask, offset: int = 0):
+    return module.apply({"params": params}, embeds, features, positions, cache, local_mask, offset)

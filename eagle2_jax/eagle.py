@@ -15,7 +15,7 @@ import numpy as np
 from flax import struct
 
 from .batching import GenerateOutput, eos_value, prepare_batch
-from .cache import KVCache, commit, gather_kv, init_cache
+from .cache import KVCache, advance, compact, init_cache
 from .config import SamplingConfig, TreeConfig
 from .draft import Draft, EagleDraft, check_compatible, draft_apply
 from .layers import causal_mask
@@ -53,9 +53,9 @@ def draft_catch_up(tmodule, tparams, dmodule, dparams, dcache: KVCache, tokens_B
     B, C = tokens_BC.shape
     emb = target_embed(tmodule, tparams, tokens_BC)
     pos = dcache.length[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
-    h, kv = draft_apply(dmodule, dparams, emb, features_BCD, pos, dcache, causal_mask(B, C))
+    h, dcache = draft_apply(dmodule, dparams, emb, features_BCD, pos, dcache, causal_mask(B, C))
     last = jnp.take_along_axis(h, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)[:, 0]
-    return last, commit(dcache, (kv,), n_B)
+    return last, advance(dcache, n_B)
 
 
 def init_state(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, prompt_BP, prompt_len_B,
@@ -70,12 +70,7 @@ def init_state(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, prompt_BP,
     dtok = jnp.where(j == (prompt_len_B - 1)[:, None], root[:, None], shifted)
     c = dmodule.config
     dcache = constrain_cache(init_cache(1, B, cache_len, c.num_key_value_heads, c.head_dim, dmodule.dtype), mesh)
-    # the prompt has no committed draft prefix yet: attend within the prompt only
-    emb = target_embed(tmodule, tparams, dtok)
-    h, kv = draft_apply(dmodule, dparams, emb, feats, jnp.broadcast_to(j, (B, P)).astype(jnp.int32),
-                        None, causal_mask(B, P))
-    hidden = jnp.take_along_axis(h, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
-    dcache = commit(dcache, (kv,), prompt_len_B)
+    hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, dtok, feats, prompt_len_B)
     max_new_B = jnp.where(active_B, max_new, 0).astype(jnp.int32)
     out = jnp.zeros((B, out_len), jnp.int32)
     out, n_out, done, _ = emit(out, jnp.zeros((B,), jnp.int32), ~active_B, root[:, None],
@@ -91,11 +86,11 @@ def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: Eagle
     C = tree.max_accept
     active = ~st.done_B
     # expand + rerank
-    pool = expand(tmodule, tparams, dmodule, dparams, st.dcache, st.hidden_BD, tree)
+    pool, dcache = expand(tmodule, tparams, dmodule, dparams, st.dcache, st.hidden_BD, tree)
     t = rerank(pool, st.root_B, tree)
     # verify: one target forward over the tree, positions by depth, ancestor mask
     pos = st.tcache.length[:, None] + t.depths_BN
-    feats, tree_kv = target_apply(tmodule, tparams, t.tokens_BN, pos, st.tcache, t.ancestors_BNN)
+    feats, tcache = target_apply(tmodule, tparams, t.tokens_BN, pos, st.tcache, t.ancestors_BNN)
     logits = target_logits(tmodule, tparams, feats)  # [B, N, V] float32
     # accept
     if sampling.greedy:
@@ -104,7 +99,7 @@ def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: Eagle
         path, n_acc, bonus = accept_sampling(t, logits, step_keys(st.keys_B, st.step), C, sampling)
     n_acc = jnp.where(active, n_acc, 0)
     # compact: the accepted path's target KV goes right after the committed prefix
-    tcache = commit(st.tcache, gather_kv(tree_kv, path), n_acc)
+    tcache = compact(tcache, path, n_acc)
     # emit: accepted draft tokens then the bonus
     d = jnp.arange(C)[None]
     path_tok = jnp.take_along_axis(t.tokens_BN, path, axis=1)  # [B, C], root first
@@ -113,13 +108,19 @@ def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: Eagle
     out, n_out, done, added = emit(st.out_BM, st.n_out_B, st.done_B, new_tok, n_acc, st.max_new_B, st.eos)
     # catch-up: pairs (feature of path node d, token after it)
     path_feat = jnp.take_along_axis(feats, path[:, :, None], axis=1)
-    hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, st.dcache, new_tok, path_feat, n_acc)
+    hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, new_tok, path_feat, n_acc)
     r = jnp.minimum(st.rounds_B, st.accept_BR.shape[1] - 1)
     accept = st.accept_BR.at[jnp.arange(B), r].set(jnp.where(active, n_acc, st.accept_BR[jnp.arange(B), r]))
     keep = lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
     return st.replace(tcache=tcache, dcache=dcache, root_B=keep(bonus, st.root_B),
                       hidden_BD=keep(hidden, st.hidden_BD), out_BM=out, n_out_B=n_out, done_B=done,
                       accept_BR=accept, rounds_B=st.rounds_B + active.astype(jnp.int32), step=st.step + 1)
+
+
+def scratch_slots(tree: TreeConfig) -> int:
+    """Cache slots needed past the committed length: the verified tree, the draft's tree nodes,
+    the catch-up pairs."""
+    return max(tree.total_tokens, tree.top_k * tree.depth, tree.max_accept) + 1
 
 
 _STATIC = ("tmodule", "dmodule", "cache_len", "out_len", "sampling", "tree", "mesh")
@@ -155,7 +156,7 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     if tree.top_k > target.config.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({target.config.vocab_size})")
     b = prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
-                      max_positions=target.config.max_position_embeddings, slack=tree.max_accept + 1,
+                      max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree),
                       batch_multiple=batch_multiple(target.mesh))
     prompt, plen, active = _device_inputs(target, b)
     args = (target.module, target.params, draft.module, draft.params, prompt, plen, active,

@@ -1,12 +1,13 @@
 """Llama building blocks as Flax (linen) modules: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
 
-Shapes are written in names: B batch, T new tokens, S cache slots, U local slots, H query heads,
-K key/value heads, G = H // K, Dh head dim, D hidden, F MLP width.
+Shapes are written in names: B batch, T new tokens, S cache slots, H query heads, K key/value
+heads, G = H // K, Dh head dim, D hidden, F MLP width. Keys/values live in the cache as
+[B, K, S, Dh].
 
-Attention sees two segments and never concatenates them (no copy of the cache):
-  * the committed cache [B, S, K, Dh], visible where slot < cache_len[b];
-  * a local segment [B, U, K, Dh] with an explicit mask [B, T, U] (causal, a tree's ancestor
-    mask, or the draft's tree buffer).
+Each attention call first writes its new keys/values into the cache at slots
+write_at[b] .. write_at[b]+T-1 (an in-place dynamic-update-slice: the old buffer is dead
+afterwards, so XLA never copies the cache), then attends over the whole cache under an explicit
+mask [B, T, S] (committed prefix + causal or tree-ancestor pattern over the new slots).
 """
 from __future__ import annotations
 
@@ -70,31 +71,44 @@ class RMSNorm(nn.Module):
         return scale.reshape((1,) * (x.ndim - 1) + (-1,)) * xf.astype(self.dtype)
 
 
-def attend(q_BTHD, cache_k_BSKD, cache_v_BSKD, cache_len_B, local_k_BUKD, local_v_BUKD,
-           local_mask_BTU):
-    """Softmax attention over [committed cache ; local segment], float32 scores and softmax."""
+def attend(q_BTHD, k_BKSD, v_BKSD, mask_BTS):
+    """Softmax attention, float32 scores and softmax; (B, K) batched matmuls with no cache transpose."""
     B, T, H, Dh = q_BTHD.shape
-    K = local_k_BUKD.shape[2]
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     G = H // K
-    q = q_BTHD.reshape(B, T, K, G, Dh).astype(jnp.float32) * (1.0 / math.sqrt(Dh))
     f32 = jnp.float32
-    s_loc = jnp.einsum("btkgd,bukd->bkgtu", q, local_k_BUKD.astype(f32))
-    s_loc = jnp.where(local_mask_BTU[:, None, None], s_loc, NEG_INF)
-    if cache_k_BSKD is not None:
-        S = cache_k_BSKD.shape[1]
-        s_c = jnp.einsum("btkgd,bskd->bkgts", q, cache_k_BSKD.astype(f32))
-        visible_BS = jnp.arange(S)[None, :] < cache_len_B[:, None]
-        s_c = jnp.where(visible_BS[:, None, None, None, :], s_c, NEG_INF)
-        scores = jnp.concatenate([s_c, s_loc], axis=-1)
-    else:
-        S = 0
-        scores = s_loc
-    probs = jax.nn.softmax(scores, axis=-1)
-    p_c, p_loc = probs[..., :S], probs[..., S:]
-    out = jnp.einsum("bkgtu,bukd->btkgd", p_loc, local_v_BUKD.astype(f32))
-    if cache_k_BSKD is not None:
-        out = out + jnp.einsum("bkgts,bskd->btkgd", p_c, cache_v_BSKD.astype(f32))
-    return out.reshape(B, T, H, Dh)
+    # query rows m = g * T + t
+    q = q_BTHD.astype(f32).reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, Dh)
+    q = q * (1.0 / math.sqrt(Dh))
+    dot = lambda eq, a, b: jnp.einsum(eq, a.astype(b.dtype), b, preferred_element_type=f32)  # noqa: E731
+    scores = dot("bkmd,bksd->bkms", q, k_BKSD)
+    mask = jnp.broadcast_to(mask_BTS[:, None], (B, G, T, S)).reshape(B, 1, G * T, S)
+    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
+    out = dot("bkms,bksd->bkmd", probs, v_BKSD)
+    return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+
+
+def write_rows(buf_BKSD, new_BKTD, start_B):
+    """buf[b, :, start[b]:start[b]+T] = new[b], row by row (in-place dynamic-update-slices).
+
+    Callers size the cache so start + T <= S (dynamic_update_slice would clamp otherwise).
+    """
+    new = new_BKTD.astype(buf_BKSD.dtype)
+
+    def one(b, buf):
+        row = jax.lax.dynamic_index_in_dim(new, b, axis=0, keepdims=True)
+        return jax.lax.dynamic_update_slice(buf, row, (b, 0, start_B[b], 0))
+    return jax.lax.fori_loop(0, buf_BKSD.shape[0], one, buf_BKSD)
+
+
+def cache_mask(length_B, local_mask_BTU, S: int):
+    """[B, T, S]: committed slots (< length) plus local slots length+u where local_mask[b, t, u]."""
+    B, T, U = local_mask_BTU.shape
+    rel = jnp.arange(S)[None, :] - length_B[:, None]  # [B, S]
+    in_local = (rel >= 0) & (rel < U)
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, U - 1)[:, None, :], (B, T, S))
+    local = jnp.take_along_axis(local_mask_BTU, idx, axis=2) & in_local[:, None, :]
+    return (rel < 0)[:, None, :] | local
 
 
 class Attention(nn.Module):
@@ -102,14 +116,8 @@ class Attention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, cache_k, cache_v, cache_len_B, local_mask_BTU,
-                 local_buffer=None, local_offset=0):
-        """Returns (out [B,T,D], (k, v) of the local segment).
-
-        Without `local_buffer` the local segment is this call's own keys/values [B,T,K,Dh].
-        With `local_buffer=(k_BUKD, v_BUKD)` this call's keys/values are written into it at
-        `local_offset` (the draft's tree buffer) and attention runs over the whole buffer.
-        """
+    def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, mask_BTS):
+        """Returns (out [B,T,D], (cache_k, cache_v) with this call's keys/values written)."""
         c = self.config
         dense = lambda feats, name, bias: nn.DenseGeneral(  # noqa: E731
             feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
@@ -118,15 +126,13 @@ class Attention(nn.Module):
         v = dense((c.num_key_value_heads, c.head_dim), "v", c.attention_bias)(x_BTD)
         inv_freq = rope_inv_freq(c)
         q = apply_rope(q, positions_BT, inv_freq)
-        k = apply_rope(k, positions_BT, inv_freq)
-        if local_buffer is not None:
-            kb, vb = local_buffer
-            k = jax.lax.dynamic_update_slice_in_dim(kb, k.astype(kb.dtype), local_offset, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(vb, v.astype(vb.dtype), local_offset, axis=1)
-        out = attend(q, cache_k, cache_v, cache_len_B, k, v, local_mask_BTU).astype(self.dtype)
+        k = apply_rope(k, positions_BT, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+        cache_k = write_rows(cache_k, k, write_at_B)
+        cache_v = write_rows(cache_v, v.transpose(0, 2, 1, 3), write_at_B)
+        out = attend(q, cache_k, cache_v, mask_BTS).astype(self.dtype)
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
                               param_dtype=self.dtype, name="o")(out)
-        return out, (k, v)
+        return out, (cache_k, cache_v)
 
 
 class MLP(nn.Module):
@@ -150,12 +156,10 @@ class DecoderLayer(nn.Module):
     input_norm: bool = True
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, cache_k, cache_v, cache_len_B, local_mask_BTU,
-                 local_buffer=None, local_offset=0):
+    def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, mask_BTS):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x_BTD) if self.input_norm else x_BTD
-        a, kv = Attention(c, self.dtype, name="attn")(
-            h, positions_BT, cache_k, cache_v, cache_len_B, local_mask_BTU, local_buffer, local_offset)
+        a, kv = Attention(c, self.dtype, name="attn")(h, positions_BT, cache_k, cache_v, write_at_B, mask_BTS)
         x = x_BTD + a
         x = x + MLP(c, self.dtype, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x))
         return x, kv

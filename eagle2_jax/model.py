@@ -15,9 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .cache import KVCache
+from .cache import KVCache, init_cache
 from .config import ModelConfig
-from .layers import DecoderLayer, RMSNorm, causal_mask
+from .layers import DecoderLayer, RMSNorm, cache_mask, causal_mask
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -55,22 +55,29 @@ class Llama(nn.Module):
         return jnp.einsum("...d,dv->...v", features_BTD, self.lm_head,
                           preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens_BT, positions_BT, cache: Optional[KVCache], local_mask_BTT):
-        """Returns (features [B,T,D] after the final norm, per-layer local (k, v) [B,T,K,Dh])."""
+    def __call__(self, tokens_BT, positions_BT, cache: KVCache, local_mask_BTU, offset: int = 0):
+        """Forward over T new tokens written at cache slots length+offset .. +T-1.
+
+        local_mask[b, t, u] lets token t see scratch slot length+u (itself included); committed
+        slots are always visible. Returns (features [B,T,D] after the final norm, cache with the
+        new keys/values written; its length is unchanged).
+        """
         x = self.embed_tokens(tokens_BT)
-        new_kv = []
+        mask = cache_mask(cache.length, local_mask_BTU, cache.max_len)
+        write_at = cache.length + offset
+        ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            ck = cache.k[i] if cache is not None else None
-            cv = cache.v[i] if cache is not None else None
-            clen = cache.length if cache is not None else None
-            x, kv = layer(x, positions_BT, ck, cv, clen, local_mask_BTT)
-            new_kv.append(kv)
-        return self.norm(x), tuple(new_kv)
+            x, (k, v) = layer(x, positions_BT, cache.k[i], cache.v[i], write_at, mask)
+            ks.append(k)
+            vs.append(v)
+        return self.norm(x), cache.replace(k=tuple(ks), v=tuple(vs))
 
     def init_all(self, tokens_BT):
         B, T = tokens_BT.shape
         pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-        f, _ = self(tokens_BT, pos, None, causal_mask(B, T))
+        c = self.config
+        cache = init_cache(c.num_hidden_layers, B, T, c.num_key_value_heads, c.head_dim, self.dtype)
+        f, _ = self(tokens_BT, pos, cache, causal_mask(B, T))
         return self.logits(f)
 
 
@@ -105,8 +112,8 @@ def init_target(config: ModelConfig, seed: int = 0, dtype="float32", mesh=None) 
     return Target(config, params, None, dt, mesh)
 
 
-def target_apply(module: Llama, params, tokens_BT, positions_BT, cache, local_mask_BTT):
-    return module.apply({"params": params}, tokens_BT, positions_BT, cache, local_mask_BTT)
+def target_apply(module: Llama, params, tokens_BT, positions_BT, cache, local_mask_BTU, offset: int = 0):
+    return module.apply({"params": params}, tokens_BT, positions_BT, cache, local_mask_BTU, offset)
 
 
 def target_logits(module: Llama, params, features):
@@ -130,7 +137,9 @@ def forward(target: Target, input_ids) -> jax.Array:
 def _forward(module, params, ids):
     B, T = ids.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    f, _ = target_apply(module, params, ids, pos, None, causal_mask(B, T))
+    c = module.config
+    cache = init_cache(c.num_hidden_layers, B, T, c.num_key_value_heads, c.head_dim, module.dtype)
+    f, _ = target_apply(module, params, ids, pos, cache, causal_mask(B, T))
     return target_logits(module, params, f)
 
 

@@ -39,8 +39,8 @@ PARAM_RULES: tuple = (
     (r".*", ()),  # everything else (norms, draft fc) replicated
 )
 
-# KV cache [B, S, K, Dh]
-CACHE_AXES = ("batch", None, "kv_heads", None)
+# KV cache [B, K, S, Dh]
+CACHE_AXES = ("batch", "kv_heads", None, None)
 
 
 def make_mesh(data: int = 1, model: int = 1, devices: Optional[Sequence] = None) -> Mesh:

@@ -43,29 +43,28 @@ def _take_rows(x_BK, idx_BJ):
 
 
 def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCache,
-           hidden_BD: jax.Array, tree: TreeConfig) -> Pool:
-    """Grow the candidate pool from the draft's last hidden state (the root's prediction)."""
+           hidden_BD: jax.Array, tree: TreeConfig):
+    """Grow the candidate pool from the draft's last hidden state (the root's prediction).
+
+    Tree nodes' draft keys/values go to the draft cache's scratch slots length + level*K + j and
+    are never committed. Returns (Pool, draft cache).
+    """
     K, D = tree.top_k, tree.depth
     B, Dm = hidden_BD.shape
-    c = dmodule.config
     logp_BV = _log_softmax_f32(target_logits(tmodule, tparams, hidden_BD))
     score_BK, tok_BK = jax.lax.top_k(logp_BV, K)
     tok_BK = tok_BK.astype(jnp.int32)
     pool_tok, pool_score = [tok_BK], [score_BK]
     pool_parent = [jnp.full((B, K), -1, jnp.int32)]
-    if D == 0:
-        return Pool(tok_BK, score_BK, pool_parent[0])
     frontier_idx = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))  # pool index
     parent_h = jnp.broadcast_to(hidden_BD[:, None, :], (B, K, Dm))
-    slots = K * D  # draft-side tree buffer: K nodes per pass
+    slots = K * D  # draft scratch slots: K nodes per pass
     anc_BKU = jnp.broadcast_to(jax.nn.one_hot(jnp.arange(K), slots, dtype=bool), (B, K, slots))
-    buf = (jnp.zeros((B, slots, c.num_key_value_heads, c.head_dim), dmodule.dtype),) * 2
     base = K
     for level in range(D):
         emb = target_embed(tmodule, tparams, tok_BK)
         pos = jnp.broadcast_to((dcache.length + level)[:, None], (B, K))
-        h_BKD, buf = draft_apply(dmodule, dparams, emb, parent_h, pos, dcache, anc_BKU,
-                                 local_buffer=buf, local_offset=level * K)
+        h_BKD, dcache = draft_apply(dmodule, dparams, emb, parent_h, pos, dcache, anc_BKU, offset=level * K)
         logp = _log_softmax_f32(target_logits(tmodule, tparams, h_BKD))  # [B, K, V]
         child_score, child_tok = jax.lax.top_k(logp, K)  # [B, K, K]
         cand = (score_BK[:, :, None] + child_score).reshape(B, K * K)
@@ -82,8 +81,8 @@ def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCach
             own = jax.nn.one_hot((level + 1) * K + jnp.arange(K), slots, dtype=bool)
             anc_BKU = _take_rows(anc_BKU, parent) | own[None]
         base += K * K
-    return Pool(jnp.concatenate(pool_tok, 1), jnp.concatenate(pool_score, 1),
-                jnp.concatenate(pool_parent, 1))
+    pool = Pool(jnp.concatenate(pool_tok, 1), jnp.concatenate(pool_score, 1), jnp.concatenate(pool_parent, 1))
+    return pool, dcache
 
 
 def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .batching import GenerateOutput, eos_value, prepare_batch
-from .cache import KVCache, commit, init_cache
+from .cache import KVCache, advance, init_cache
 from .config import SamplingConfig
 from .layers import causal_mask
 from .model import Llama, Target, target_apply, target_logits
@@ -32,14 +32,17 @@ class DecodeState:
 
 
 def prefill(module: Llama, params, prompt_BP, prompt_len_B, cache_len: int, mesh=None):
-    """Causal forward over right-padded prompts; commits their KV. Returns (features [B,P,D], cache, last logits [B,V])."""
+    """Causal forward over right-padded prompts into a fresh cache.
+
+    Returns (features [B,P,D], cache committed to each prompt's length, last-token logits [B,V]).
+    """
     B, P = prompt_BP.shape
     c = module.config
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    feats, new_kv = target_apply(module, params, prompt_BP, pos, None, causal_mask(B, P))
     cache = init_cache(c.num_hidden_layers, B, cache_len, c.num_key_value_heads, c.head_dim, module.dtype)
     cache = constrain_cache(cache, mesh)
-    cache = commit(cache, new_kv, prompt_len_B)
+    feats, cache = target_apply(module, params, prompt_BP, pos, cache, causal_mask(B, P))
+    cache = advance(cache, prompt_len_B)
     last = jnp.take_along_axis(feats, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
     return feats, cache, target_logits(module, params, last)
 
@@ -60,9 +63,8 @@ def init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, 
 def decode_step(module: Llama, params, st: DecodeState, sampling: SamplingConfig) -> DecodeState:
     B = st.token_B.shape[0]
     pos = st.cache.length[:, None]
-    feats, new_kv = target_apply(module, params, st.token_B[:, None], pos, st.cache,
-                                 jnp.ones((B, 1, 1), bool))
-    cache = commit(st.cache, new_kv, jnp.where(st.done_B, 0, 1))
+    feats, cache = target_apply(module, params, st.token_B[:, None], pos, st.cache, jnp.ones((B, 1, 1), bool))
+    cache = advance(cache, jnp.where(st.done_B, 0, 1))
     logits = target_logits(module, params, feats[:, 0])
     nxt = jax.vmap(lambda k, l: sample_token(k, l, sampling))(step_keys(st.keys_B, st.step), logits)
     out, n_out, done, _ = emit(st.out_BM, st.n_out_B, st.done_B, nxt[:, None],

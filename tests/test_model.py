@@ -8,7 +8,7 @@ import pytest
 
 from conftest import have_torch
 from eagle2_jax import ModelConfig, forward, init_target, load_target
-from eagle2_jax.cache import commit, init_cache
+from eagle2_jax.cache import advance, init_cache
 from eagle2_jax.checkpoints import CheckpointError
 from eagle2_jax.layers import causal_mask
 from eagle2_jax.model import target_apply, target_logits
@@ -85,8 +85,8 @@ def test_cache_path_equals_full_forward():
     for lo, hi in ((0, 5), (5, 6), (6, 12)):
         T = hi - lo
         pos = jnp.broadcast_to(jnp.arange(lo, hi), (2, T)).astype(jnp.int32)
-        f, kv = target_apply(m, t.params, jnp.asarray(ids[:, lo:hi]), pos, cache, causal_mask(2, T))
-        cache = commit(cache, kv, jnp.full((2,), T, jnp.int32))
+        f, cache = target_apply(m, t.params, jnp.asarray(ids[:, lo:hi]), pos, cache, causal_mask(2, T))
+        cache = advance(cache, jnp.full((2,), T, jnp.int32))
         outs.append(np.asarray(target_logits(m, t.params, f)))
     np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5, rtol=0)
 

@@ -1,0 +1,188 @@
+"""Self-distillation data: prompts -> target-written responses -> token ids + loss masks.
+
+    python -m train.data --out runs/data/smollm2 --max-prompts 1500
+
+Prompts come from ShareGPT (`conversations`), Alpaca (`instruction`/`input`) and EAGLE/MT-bench
+(`turns`) files; empty and duplicate prompts, and every prompt that also occurs in the evaluation
+sets, are dropped. Each prompt is rendered with the target's chat template and the target writes
+the response with batched on-device decoding. Output: shards `shard_XXXXX.npz` with
+`tokens` (concatenated int32), `offsets` (example starts), `loss_mask` (1 on assistant tokens).
+A shard is written atomically; a restart skips the shards that exist.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+import time
+from typing import Iterable
+
+import numpy as np
+
+DEFAULT_SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+DEFAULT_TRAIN_FILES = ("train/sharegpt_v3_filtered_1000.json", "train/alpaca_en_demo_1k.json",
+                       "train/sharegpt_v3_filtered_500.json", "train/alpaca_seed_tasks.jsonl",
+                       "train/sharegpt_sg90k_first_sampled_sorted.json")
+EVAL_FILES = ("eval/mt_bench.jsonl", "eval/humaneval.jsonl", "eval/gsm8k.jsonl", "eval/alpaca.jsonl")
+
+
+def _records(path: str) -> list:
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(line) for line in f if line.strip()]
+        data = json.load(f)
+    return data if isinstance(data, list) else [data]
+
+
+def prompt_of(rec: dict) -> str:
+    """First user turn of a record in any of the supported formats ('' if none)."""
+    if "conversations" in rec:  # ShareGPT
+        for turn in rec["conversations"]:
+            if turn.get("from") in ("human", "user"):
+                return str(turn.get("value", ""))
+        return ""
+    if "turns" in rec:  # EAGLE / MT-bench
+        return str(rec["turns"][0]) if rec["turns"] else ""
+    if "instruction" in rec:  # Alpaca (+ seed tasks with `instances`)
+        inp = rec.get("input") or ""
+        if not inp and rec.get("instances"):
+            inp = rec["instances"][0].get("input") or ""
+        return f"{rec['instruction']}\n\n{inp}".strip() if inp else str(rec["instruction"])
+    return ""
+
+
+def normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def eval_prompts(shared_data: str) -> set:
+    out = set()
+    for rel in EVAL_FILES:
+        path = os.path.join(shared_data, rel)
+        if os.path.exists(path):
+            for rec in _records(path):
+                for turn in rec.get("turns", []):
+                    out.add(normalize(turn))
+    return out
+
+
+def load_prompts(paths: Iterable[str], exclude: set) -> list[str]:
+    """Non-empty, de-duplicated prompts (first occurrence wins) that are not in `exclude`."""
+    seen, out = set(exclude), []
+    for path in paths:
+        for rec in _records(path):
+            p = prompt_of(rec).strip()
+            key = normalize(p)
+            if not key or key in seen:
+                continue
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def render_prompt(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def example(prompt_ids: list[int], response_ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and loss mask: 1 exactly on the assistant's tokens (its end-of-turn token included)."""
+    ids = np.asarray(list(prompt_ids) + list(response_ids), np.int32)
+    mask = np.zeros(len(ids), np.uint8)
+    mask[len(prompt_ids):] = 1
+    return ids, mask
+
+
+def write_shard(path: str, examples: list) -> None:
+    tokens = np.concatenate([e[0] for e in examples])
+    mask = np.concatenate([e[1] for e in examples])
+    offsets = np.cumsum([0] + [len(e[0]) for e in examples]).astype(np.int64)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, tokens=tokens, loss_mask=mask, offsets=offsets)
+    os.replace(tmp, path)
+
+
+def read_shards(directory: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """All examples of all shards, in shard order: [(ids, loss_mask)]."""
+    out = []
+    files = sorted(glob.glob(os.path.join(directory, "shard_*.npz")))
+    if not files:
+        raise FileNotFoundError(f"no shard_*.npz in {directory}: run python -m train.data first")
+    for fn in files:
+        z = np.load(fn)
+        off = z["offsets"]
+        for i in range(len(off) - 1):
+            out.append((z["tokens"][off[i]:off[i + 1]], z["loss_mask"][off[i]:off[i + 1]]))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m train.data", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="target model (name, HF dir or .gguf)")
+    ap.add_argument("--out", required=True, help="output directory for shard_*.npz")
+    ap.add_argument("--shared-data", default=DEFAULT_SHARED, help="the shared data folder (train/ and eval/)")
+    ap.add_argument("--files", nargs="*", default=None, help="prompt files (default: all of shared train/)")
+    ap.add_argument("--max-prompts", type=int, default=1500, help="use at most this many prompts")
+    ap.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer rendered prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
+    ap.add_argument("--temperature", type=float, default=0.0, help="response sampling temperature (0: greedy)")
+    ap.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
+    ap.add_argument("--shard-size", type=int, default=64, help="examples per shard")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from eagle2_jax import generate_vanilla, load_target
+
+    files = args.files or [os.path.join(args.shared_data, f) for f in DEFAULT_TRAIN_FILES]
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        sys.exit(f"error: prompt file not found: {missing[0]}")
+    prompts = load_prompts(files, eval_prompts(args.shared_data))
+    target = load_target(args.target, dtype=args.dtype)
+    tok = target.tokenizer
+    rendered = []
+    for p in prompts:
+        ids = render_prompt(tok, p)
+        if len(ids) <= args.max_prompt_tokens:
+            rendered.append(ids)
+        if len(rendered) >= args.max_prompts:
+            break
+    os.makedirs(args.out, exist_ok=True)
+    shards = [rendered[i:i + args.shard_size] for i in range(0, len(rendered), args.shard_size)]
+    with open(os.path.join(args.out, "meta.json"), "w") as f:
+        json.dump({"target": args.target, "prompts": len(rendered), "shards": len(shards),
+                   "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                   "files": [os.path.relpath(x, args.shared_data) for x in files]}, f, indent=2)
+    eos = target.config.eos_token_id
+    todo = [i for i in range(len(shards)) if not os.path.exists(os.path.join(args.out, f"shard_{i:05d}.npz"))]
+    bar = tqdm(total=len(rendered), initial=(len(shards) - len(todo)) * args.shard_size, unit="prompt",
+               desc="responses", dynamic_ncols=True)
+    t0, new_tokens = time.time(), 0
+    for si in todo:
+        batch = shards[si]
+        order = np.argsort([len(x) for x in batch])  # similar prompt lengths decode together
+        examples = [None] * len(batch)
+        for j in range(0, len(batch), args.batch_size):
+            idx = order[j:j + args.batch_size]
+            out = generate_vanilla(target, [batch[i] for i in idx], max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, eos_token_id=eos, seed=args.seed + si * 1000 + j)
+            for i, resp in zip(idx, out.tokens):
+                examples[i] = example(batch[i], resp)
+                new_tokens += len(resp)
+            bar.update(len(idx))
+            bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")
+        write_shard(os.path.join(args.out, f"shard_{si:05d}.npz"), examples)
+    bar.close()
+    print(f"{len(rendered)} examples in {len(shards)} shards at {args.out}")
+
+
+if __name__ == "__main__":
+    main()
