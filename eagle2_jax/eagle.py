@@ -6,7 +6,6 @@ tokens with their target features; draft KV of tree nodes is never committed).
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import jax
@@ -24,6 +23,7 @@ from .outputs import emit
 from .sampling import row_keys, sample_token, step_keys
 from .sharding import batch_multiple, constrain_cache
 from .tree import expand, rerank
+from .programs import Program, run
 from .vanilla import _device_inputs, prefill
 from .verify import accept_greedy, accept_sampling
 
@@ -123,31 +123,37 @@ def scratch_slots(tree: TreeConfig) -> int:
     return max(tree.total_tokens, tree.top_k * tree.depth, tree.max_accept) + 1
 
 
-_STATIC = ("tmodule", "dmodule", "cache_len", "out_len", "sampling", "tree", "mesh")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _generate_jit(tmodule, tparams, dmodule, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos,
-                  seed, *, cache_len, out_len, sampling, tree, mesh):
+def _loop(tparams, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, tmodule, dmodule,
+          cache_len, out_len, sampling, tree, mesh):
     st = init_state(tmodule, tparams, dmodule, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos,
                     seed, cache_len=cache_len, out_len=out_len, sampling=sampling, tree=tree, mesh=mesh)
-    st = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B),
-                            lambda s: eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), st)
-    return st.out_BM, st.n_out_B, st.accept_BR, st.rounds_B
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done_B),
+                              lambda s: eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), st)
 
 
-_init_jit = jax.jit(init_state, static_argnames=_STATIC)
-_round_jit = jax.jit(eagle_round, static_argnames=("tmodule", "dmodule", "sampling", "tree"))
+def _init(tparams, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, tmodule, dmodule,
+          cache_len, out_len, sampling, tree, mesh):
+    return init_state(tmodule, tparams, dmodule, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos,
+                      seed, cache_len=cache_len, out_len=out_len, sampling=sampling, tree=tree, mesh=mesh)
+
+
+def _step(tparams, dparams, st, *, tmodule, dmodule, sampling, tree):
+    return eagle_round(tmodule, tparams, dmodule, dparams, st, sampling, tree)
+
+
+_STATIC = ("tmodule", "dmodule", "cache_len", "out_len", "sampling", "tree", "mesh")
+LOOP, INIT, STEP = Program(_loop, _STATIC), Program(_init, _STATIC), Program(_step, ("tmodule", "dmodule", "sampling", "tree"))
 
 
 def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None, seed: int = 0,
-             tree: TreeConfig = TreeConfig(), stream: Optional[Callable[[int, list], None]] = None
-             ) -> GenerateOutput:
+             tree: TreeConfig = TreeConfig(), stream: Optional[Callable[[int, list], None]] = None,
+             timings: Optional[dict] = None) -> GenerateOutput:
     """EAGLE-2 speculative decoding of token-id prompts; lossless with respect to the target.
 
     Returns `.tokens` (new tokens per prompt, EOS kept) and `.accept_lengths` (tokens added per
     round, bonus included; tau is their mean). With `stream`, rounds are stepped from the host.
+    With `timings` (a dict), records compile_s and run_s.
     """
     if not isinstance(tree, TreeConfig):
         raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
@@ -159,22 +165,14 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
                       max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree),
                       batch_multiple=batch_multiple(target.mesh))
     prompt, plen, active = _device_inputs(target, b)
-    args = (target.module, target.params, draft.module, draft.params, prompt, plen, active,
-            jnp.int32(max_new_tokens), jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
-    kw = dict(cache_len=b.cache_len, out_len=b.max_new + tree.max_accept, sampling=sampling, tree=tree,
-              mesh=target.mesh)
-    if stream is None:
-        out, n_out, acc, rounds = _generate_jit(*args, **kw)
-    else:
-        from .vanilla import _report
-        st = _init_jit(*args, **kw)
-        seen = [0] * b.num_rows
-        while True:
-            _report(st.out_BM, st.n_out_B, seen, stream)
-            if bool(jnp.all(st.done_B)):
-                break
-            st = _round_jit(target.module, target.params, draft.module, draft.params, st, sampling, tree)
-        out, n_out, acc, rounds = st.out_BM, st.n_out_B, st.accept_BR, st.rounds_B
+    args = (target.params, draft.params, prompt, plen, active, jnp.int32(max_new_tokens),
+            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
+    static = dict(tmodule=target.module, dmodule=draft.module, cache_len=b.cache_len,
+                  out_len=b.max_new + tree.max_accept, sampling=sampling, tree=tree, mesh=target.mesh)
+    st = run(LOOP, INIT, STEP, args, static, (target.params, draft.params),
+             dict(tmodule=target.module, dmodule=draft.module, sampling=sampling, tree=tree), b.num_rows,
+             stream, timings)
+    out, n_out, acc, rounds = st.out_BM, st.n_out_B, st.accept_BR, st.rounds_B
     out, n_out, acc, rounds = map(np.asarray, (out, n_out, acc, rounds))
     rows = range(b.num_rows)
     return GenerateOutput(tokens=[out[r, :n_out[r]].tolist() for r in rows],

@@ -1,7 +1,6 @@
 """Plain (autoregressive) decoding: one jitted prefill + `lax.while_loop` of single-token steps."""
 from __future__ import annotations
 
-import functools
 from typing import Callable, Optional
 
 import jax
@@ -14,6 +13,7 @@ from .config import SamplingConfig
 from .layers import causal_mask
 from .model import Llama, Target, target_apply, target_logits
 from .outputs import emit
+from .programs import Program, run
 from .sampling import row_keys, sample_token, step_keys
 from .sharding import batch_multiple, constrain, constrain_cache
 
@@ -72,18 +72,26 @@ def decode_step(module: Llama, params, st: DecodeState, sampling: SamplingConfig
     return st.replace(cache=cache, token_B=nxt, out_BM=out, n_out_B=n_out, done_B=done, step=st.step + 1)
 
 
-@functools.partial(jax.jit, static_argnames=("module", "cache_len", "out_len", "sampling", "mesh"))
-def _generate_vanilla_jit(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *,
-                          cache_len, out_len, sampling, mesh):
+def _loop(params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, module, cache_len, out_len,
+          sampling, mesh):
     st = init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed,
                     cache_len=cache_len, out_len=out_len, sampling=sampling, mesh=mesh)
-    st = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B),
-                            lambda s: decode_step(module, params, s, sampling), st)
-    return st.out_BM, st.n_out_B
+    st = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), lambda s: decode_step(module, params, s, sampling), st)
+    return st
 
 
-_init_state_jit = jax.jit(init_state, static_argnames=("module", "cache_len", "out_len", "sampling", "mesh"))
-_decode_step_jit = jax.jit(decode_step, static_argnames=("module", "sampling"))
+def _init(params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, module, cache_len, out_len,
+          sampling, mesh):
+    return init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed,
+                      cache_len=cache_len, out_len=out_len, sampling=sampling, mesh=mesh)
+
+
+def _step(params, st, *, module, sampling):
+    return decode_step(module, params, st, sampling)
+
+
+_STATIC = ("module", "cache_len", "out_len", "sampling", "mesh")
+LOOP, INIT, STEP = Program(_loop, _STATIC), Program(_init, _STATIC), Program(_step, ("module", "sampling"))
 
 
 def _prepare(target: Target, prompts, max_new_tokens, slack: int):
@@ -104,40 +112,23 @@ def _device_inputs(target: Target, b):
 
 def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None,
-                     seed: int = 0, stream: Optional[Callable[[int, list], None]] = None) -> GenerateOutput:
-    """Plain decoding of a batch of token-id prompts; one jitted `lax.while_loop` on device.
+                     seed: int = 0, stream: Optional[Callable[[int, list], None]] = None,
+                     timings: Optional[dict] = None) -> GenerateOutput:
+    """Plain decoding of a batch of token-id prompts; one compiled `lax.while_loop` on device.
 
     With `stream`, steps from the host instead and calls stream(row, new_tokens) as tokens come.
+    With `timings` (a dict), records compile_s and run_s.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
     b = _prepare(target, prompts, max_new_tokens, slack=1)
     prompt, plen, active = _device_inputs(target, b)
-    args = (target.module, target.params, prompt, plen, active, jnp.int32(max_new_tokens),
+    args = (target.params, prompt, plen, active, jnp.int32(max_new_tokens),
             jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
-    kw = dict(cache_len=b.cache_len, out_len=b.max_new + 1, sampling=sampling, mesh=target.mesh)
-    if stream is None:
-        out, n_out = _generate_vanilla_jit(*args, **kw)
-    else:
-        st = _init_state_jit(*args, **kw)
-        seen = [0] * b.num_rows
-        while True:
-            _report(st.out_BM, st.n_out_B, seen, stream)
-            if bool(jnp.all(st.done_B)):
-                break
-            st = _decode_step_jit(target.module, target.params, st, sampling)
-        out, n_out = st.out_BM, st.n_out_B
-    return _collect(out, n_out, b.num_rows)
-
-
-def _report(out, n_out, seen, stream):
-    import numpy as np
-    n = np.asarray(n_out)
-    o = None
-    for r in range(len(seen)):
-        if n[r] > seen[r]:
-            o = np.asarray(out) if o is None else o
-            stream(r, o[r, seen[r]:n[r]].tolist())
-            seen[r] = int(n[r])
+    static = dict(module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=sampling,
+                  mesh=target.mesh)
+    st = run(LOOP, INIT, STEP, args, static, (target.params,), dict(module=target.module, sampling=sampling),
+             b.num_rows, stream, timings)
+    return _collect(st.out_BM, st.n_out_B, b.num_rows)
 
 
 def _collect(out, n_out, rows):

@@ -2,7 +2,7 @@
 import pytest
 
 from eagle2_jax import TreeConfig, generate, generate_vanilla
-from eagle2_jax.eagle import _generate_jit
+from eagle2_jax.eagle import LOOP
 from helpers import permutation_oracle, tiny_pair
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -103,12 +103,12 @@ def test_one_compile_per_bucket(models):
     t, d = models["random"]
     cfg = TreeConfig(2, 2, 5)
     generate(t, d, [[1, 2, 3]], max_new_tokens=5, tree=cfg)
-    n = _generate_jit._cache_size()
+    n = LOOP.num_compiled
     generate(t, d, [[4, 5, 6, 7, 8, 9, 10]], max_new_tokens=5, tree=cfg)  # same prompt bucket
     generate(t, d, [[4, 5]], max_new_tokens=11, temperature=0.0, seed=9, tree=cfg)  # same max_new bucket
-    assert _generate_jit._cache_size() == n
+    assert LOOP.num_compiled == n
     generate(t, d, [[4, 5]] * 2, max_new_tokens=5, tree=cfg)  # new batch bucket
-    assert _generate_jit._cache_size() == n + 1
+    assert LOOP.num_compiled == n + 1
 
 
 def test_bad_tree_configs():

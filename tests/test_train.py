@@ -132,7 +132,10 @@ def test_export_eagle_format_reproduces_draft_logits(tmp_path):
 
 def test_batcher_is_deterministic():
     ex = [(np.arange(5), np.ones(5)) for _ in range(10)]
-    a, b = tdraft.Batcher(ex, 4, 8, 1), tdraft.Batcher(ex, 4, 8, 1)
+    a, b = tdraft.Batcher(ex, 4, 10, 1), tdraft.Batcher(ex, 4, 10, 1)
+    assert len(a) == 5  # 50 tokens packed into sequences of 10
     assert [a.indices(s) for s in range(6)] == [b.indices(s) for s in range(6)]
     seen = sum((a.indices(s) for s in range(5)), [])
-    assert sorted(seen[:10]) == list(range(10))  # an epoch covers every example once
+    assert sorted(seen[:5]) == list(range(5))  # an epoch covers every sequence once
+    ids, mask = a.batch(0)
+    assert ids.shape == (4, 10) and mask.all()

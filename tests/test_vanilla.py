@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from eagle2_jax import forward, generate_vanilla, init_target
-from eagle2_jax.vanilla import _generate_vanilla_jit
+from eagle2_jax.vanilla import LOOP
 from helpers import tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
@@ -74,12 +74,12 @@ def test_stream_matches_loop(target):
 
 
 def test_prompt_bucket_no_recompile(target):
-    before = _generate_vanilla_jit._cache_size()
+    before = LOOP.num_compiled
     generate_vanilla(target, [[1, 2, 3]], max_new_tokens=5)
-    mid = _generate_vanilla_jit._cache_size()
+    mid = LOOP.num_compiled
     generate_vanilla(target, [[4, 5, 6, 7, 8, 9]], max_new_tokens=5)  # same bucket (16)
     generate_vanilla(target, [[4, 5]], max_new_tokens=9)  # same max_new bucket
-    assert _generate_vanilla_jit._cache_size() == mid <= before + 1
+    assert LOOP.num_compiled == mid <= before + 1
 
 
 def test_bad_inputs(target):

@@ -54,6 +54,24 @@ def prompt_of(rec: dict) -> str:
     return ""
 
 
+def response_of(rec: dict) -> str:
+    """The record's own first assistant answer ('' if none): ShareGPT `gpt` turn, Alpaca `output`."""
+    if "conversations" in rec:
+        turns = rec["conversations"]
+        for i, turn in enumerate(turns):
+            if turn.get("from") in ("human", "user"):
+                for nxt in turns[i + 1:]:
+                    if nxt.get("from") in ("gpt", "assistant", "chatgpt"):
+                        return str(nxt.get("value", ""))
+                return ""
+        return ""
+    if "output" in rec:
+        return str(rec["output"] or "")
+    if rec.get("instances"):
+        return str(rec["instances"][0].get("output") or "")
+    return ""
+
+
 def normalize(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
@@ -69,8 +87,11 @@ def eval_prompts(shared_data: str) -> set:
     return out
 
 
-def load_prompts(paths: Iterable[str], exclude: set) -> list[str]:
-    """Non-empty, de-duplicated prompts (first occurrence wins) that are not in `exclude`."""
+def load_prompts(paths: Iterable[str], exclude: set, with_responses: bool = False) -> list:
+    """Non-empty, de-duplicated prompts (first occurrence wins) that are not in `exclude`.
+
+    With `with_responses`, returns (prompt, the record's own response) pairs with a non-empty response.
+    """
     seen, out = set(exclude), []
     for path in paths:
         for rec in _records(path):
@@ -78,8 +99,15 @@ def load_prompts(paths: Iterable[str], exclude: set) -> list[str]:
             key = normalize(p)
             if not key or key in seen:
                 continue
-            seen.add(key)
-            out.append(p)
+            if with_responses:
+                r = response_of(rec).strip()
+                if not r:
+                    continue
+                seen.add(key)
+                out.append((p, r))
+            else:
+                seen.add(key)
+                out.append(p)
     return out
 
 
@@ -135,6 +163,10 @@ def main(argv=None):
     ap.add_argument("--shard-size", type=int, default=64, help="examples per shard")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--responses", choices=["target", "dataset"], default="target",
+                    help="target: the target writes the responses (self-distillation); dataset: use the files' own "
+                         "answers (no generation; the loss still uses the target's distributions)")
+    ap.add_argument("--skip", type=int, default=0, help="skip the first N usable prompts (e.g. those self-distilled)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
@@ -145,6 +177,8 @@ def main(argv=None):
     missing = [f for f in files if not os.path.exists(f)]
     if missing:
         sys.exit(f"error: prompt file not found: {missing[0]}")
+    if args.responses == "dataset":
+        return _dataset_responses(args, files)
     prompts = load_prompts(files, eval_prompts(args.shared_data))
     target = load_target(args.target, dtype=args.dtype)
     tok = target.tokenizer
@@ -182,6 +216,26 @@ def main(argv=None):
         write_shard(os.path.join(args.out, f"shard_{si:05d}.npz"), examples)
     bar.close()
     print(f"{len(rendered)} examples in {len(shards)} shards at {args.out}")
+
+
+def _dataset_responses(args, files):
+    from eagle2_jax.checkpoints import load_target
+    tok = load_target(args.target, dtype=args.dtype).tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    pairs = load_prompts(files, eval_prompts(args.shared_data), with_responses=True)[args.skip:]
+    examples = []
+    for p, r in pairs:
+        ids = render_prompt(tok, p)
+        if len(ids) > args.max_prompt_tokens:
+            continue
+        resp = tok.encode(r, add_special_tokens=False)[:args.max_new_tokens - 1] + [eos]
+        examples.append(example(ids, resp))
+        if len(examples) >= args.max_prompts:
+            break
+    os.makedirs(args.out, exist_ok=True)
+    for i in range(0, len(examples), args.shard_size):
+        write_shard(os.path.join(args.out, f"shard_{i // args.shard_size:05d}.npz"), examples[i:i + args.shard_size])
+    print(f"{len(examples)} examples with dataset responses at {args.out}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
     python -m train.draft --config configs/smollm2-135m-instruct.yaml [--steps N] [--lr X] ...
 
-Every YAML key can be overridden by the flag of the same name (dashes or underscores). Target
+Every YAML key can be overridden by the flag of the same name (dashes or underscores); `data`
+takes one shard directory or several (comma-separated; held-out examples come from the first). Target
 features are computed on the fly by a jitted batched forward inside the training step (no disk
 cache to keep in sync). Orbax checkpoints every `ckpt_every` steps and at exit (Ctrl-C / SIGTERM
 included); a restart resumes from the latest one with the same data order. At the end the head is
@@ -63,28 +64,46 @@ def load_config(argv=None) -> dict:
 
 
 class Batcher:
-    """Deterministic batches: step s takes examples [s*B, (s+1)*B) of the concatenation of per-epoch
-    permutations (seeded), so a resumed run sees exactly the batches it would have seen."""
+    """Deterministic batches of packed sequences.
 
-    def __init__(self, examples, batch_size, seq_len, seed):
-        self.examples, self.B, self.T, self.seed = examples, batch_size, seq_len, seed
+    Examples are concatenated (in a seeded order) and cut into sequences of seq_len tokens, so no
+    step is spent on padding; loss masks travel with the tokens. Step s takes sequences
+    [s*B, (s+1)*B) of the concatenation of per-epoch permutations, so a resumed run sees exactly
+    the batches it would have seen.
+    """
+
+    def __init__(self, examples, batch_size, seq_len, seed, pack: bool = True):
+        self.B, self.T, self.seed = batch_size, seq_len, seed
+        order = np.random.default_rng(seed).permutation(len(examples))
+        if pack:
+            ids = np.concatenate([examples[i][0] for i in order]).astype(np.int32)
+            mask = np.concatenate([examples[i][1] for i in order]).astype(np.int32)
+            n = max(1, len(ids) // seq_len)
+            pad = n * seq_len - len(ids)
+            if pad > 0:
+                ids, mask = np.pad(ids, (0, pad)), np.pad(mask, (0, pad))
+            self.seqs = [(ids[k * seq_len:(k + 1) * seq_len], mask[k * seq_len:(k + 1) * seq_len]) for k in range(n)]
+        else:
+            self.seqs = [examples[i] for i in order]
         self._perms = {}
+
+    def __len__(self):
+        return len(self.seqs)
 
     def _perm(self, epoch):
         if epoch not in self._perms:
-            self._perms[epoch] = np.random.default_rng(self.seed + epoch).permutation(len(self.examples))
+            self._perms[epoch] = np.random.default_rng(self.seed + 1 + epoch).permutation(len(self.seqs))
         return self._perms[epoch]
 
     def indices(self, step):
-        n = len(self.examples)
-        flat = [step * self.B + i for i in range(self.B)]
-        return [int(self._perm(g // n)[g % n]) for g in flat]
+        n = len(self.seqs)
+        return [int(self._perm(g // n)[g % n]) for g in range(step * self.B, (step + 1) * self.B)]
 
     def batch(self, step):
         ids = np.zeros((self.B, self.T), np.int32)
         mask = np.zeros((self.B, self.T), np.int32)
         for r, i in enumerate(self.indices(step)):
-            t, m = self.examples[i]
+            t, m = self.seqs[i]
             t, m = t[:self.T], m[:self.T]
             ids[r, :len(t)], mask[r, :len(m)] = t, m
         return ids, mask
@@ -140,11 +159,16 @@ def main(argv=None):
     from train.data import read_shards
 
     mesh = parse_mesh(cfg["mesh"])
-    examples = read_shards(cfg["data"])
-    if len(examples) <= cfg["heldout_examples"]:
-        sys.exit(f"error: {len(examples)} examples in {cfg['data']}: need more than heldout_examples")
-    heldout = examples[-cfg["heldout_examples"]:]
-    train = examples[:-cfg["heldout_examples"]]
+    dirs = cfg["data"] if isinstance(cfg["data"], list) else str(cfg["data"]).split(",")
+    try:
+        sets = [read_shards(d) for d in dirs]
+    except FileNotFoundError as e:
+        sys.exit(f"error: {e}")
+    if len(sets[0]) <= cfg["heldout_examples"]:
+        sys.exit(f"error: {len(sets[0])} examples in {dirs[0]}: need more than heldout_examples")
+    heldout = sets[0][-cfg["heldout_examples"]:]  # held out from the first (self-distilled) set
+    train = sets[0][:-cfg["heldout_examples"]] + [e for s in sets[1:] for e in s]
+    print(f"{len(train)} training examples from {', '.join(dirs)}; {len(heldout)} held out")
     target = load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)
     draft = init_draft(target, cfg["seed"])
     if cfg["init_from"]:
@@ -154,7 +178,8 @@ def main(argv=None):
     opt_state = opt.init(draft.params)
     step_fn, eval_fn = build_step(target.module, draft.module, opt, cfg)
     batcher = Batcher(train, cfg["batch_size"], cfg["seq_len"], cfg["seed"])
-    held = Batcher(heldout, min(cfg["batch_size"], len(heldout)), cfg["seq_len"], cfg["seed"])
+    held = Batcher(heldout, min(cfg["batch_size"], len(heldout)), cfg["seq_len"], cfg["seed"], pack=False)
+    print(f"{len(batcher)} packed sequences of {cfg['seq_len']} tokens per epoch")
 
     os.makedirs(cfg["out"], exist_ok=True)
     ckpt_dir = os.path.abspath(os.path.join(cfg["out"], "checkpoints"))

@@ -1,0 +1,146 @@
+"""Generate text with EAGLE-2 speculative decoding (or plain decoding) from the command line.
+
+    python -m infer.generate                                  # SmolLM2-135M-Instruct + shipped head
+    python -m infer.generate --prompt "Write a haiku" --compare
+    python -m infer.generate --mode vanilla --temperature 0.7 --top-p 0.9
+
+The prompt is wrapped in the model's chat template (unless --raw); text streams as it is produced
+and a closing line reports tokens, seconds, tokens/s, compile time and, for EAGLE-2, tau (average
+tokens added per round, bonus included).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="target: a named model, a Hugging Face directory (config.json + safetensors) or a .gguf file")
+    ap.add_argument("--draft", default="auto",
+                    help="draft head: 'auto' (the head shipped for --model, if any), 'none', a named head, "
+                         "or a directory in the EAGLE format or ours")
+    ap.add_argument("--mode", choices=["auto", "eagle", "vanilla"], default="auto",
+                    help="eagle: EAGLE-2 (needs a draft); vanilla: plain decoding; auto: eagle when a draft is found")
+    ap.add_argument("--prompt", action="append", default=None,
+                    help=f"user message; repeat for a batch (default: {DEFAULT_PROMPT!r})")
+    ap.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    ap.add_argument("--sample-top-k", type=int, default=0, help="sample only among the k most likely tokens (0: off)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed; rows draw independent numbers")
+    ap.add_argument("--depth", type=int, default=None, help="EAGLE-2 draft passes after the root's children (default from the head, else 5)")
+    ap.add_argument("--top-k", type=int, default=None, help="EAGLE-2 children per node / frontier width (default from the head, else 10)")
+    ap.add_argument("--total-tokens", type=int, default=None, help="EAGLE-2 tokens verified per round, root included (default from the head, else 60)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
+    ap.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,model=4' (default: one device)")
+    ap.add_argument("--no-stream", action="store_true", help="run the whole generation on device, print at the end")
+    ap.add_argument("--compare", action="store_true",
+                    help="also run plain decoding on the same prompts; report speedup and greedy identity")
+    return ap
+
+
+def tree_for(args, draft):
+    import json
+
+    from eagle2_jax import TreeConfig
+    d = {}
+    meta = os.path.join(getattr(draft, "source", "") or "", "tree.json")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            d = json.load(f)
+    for k in ("depth", "top_k", "total_tokens"):
+        if getattr(args, k) is not None:
+            d[k] = getattr(args, k)
+    return TreeConfig(**d)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    from eagle2_jax import CheckpointError, generate, generate_vanilla, load_draft, load_target, parse_mesh
+    from eagle2_jax.draft_io import NAMED_DRAFTS
+
+    try:
+        mesh = parse_mesh(args.mesh)
+        t0 = time.perf_counter()
+        target = load_target(args.model, dtype=args.dtype, mesh=mesh)
+        draft = None
+        if args.mode != "vanilla" and args.draft != "none":
+            name = args.model if args.draft == "auto" else args.draft
+            if args.draft != "auto" or (name in NAMED_DRAFTS and os.path.isdir(NAMED_DRAFTS[name])):
+                draft = load_draft(name, target)
+        if args.mode == "eagle" and draft is None:
+            raise CheckpointError(f"--mode eagle needs a draft head: none is shipped for {args.model!r}; pass --draft")
+        tree = tree_for(args, draft) if draft is not None else None
+        load_s = time.perf_counter() - t0
+    except (CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    tok = target.tokenizer
+    if tok is None:
+        sys.exit("error: the model has no tokenizer; use the library API with token ids")
+    texts = args.prompt or [DEFAULT_PROMPT]
+    prompts = []
+    for t in texts:
+        if args.raw:
+            prompts.append(tok.encode(t, add_special_tokens=False))
+        else:
+            s = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            prompts.append(tok.encode(s, add_special_tokens=False))
+    eos = target.config.eos_token_id if tok.eos_token_id is None else tok.eos_token_id
+    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.sample_top_k, eos_token_id=eos, seed=args.seed)
+    stream_rows = len(prompts) == 1 and not args.no_stream
+    printed = []
+
+    def stream(row, new):
+        printed.extend(new)
+        text = tok.decode(printed, skip_special_tokens=True)
+        prev = tok.decode(printed[:-len(new)], skip_special_tokens=True) if len(new) < len(printed) else ""
+        sys.stdout.write(text[len(prev):])
+        sys.stdout.flush()
+
+    mode = "EAGLE-2" if draft is not None else "plain"
+    print(f"[{mode}] {args.model}" + (f" + draft {draft.source} {tree}" if draft else "") +
+          f" ({target.num_params / 1e6:.0f}M params, {args.dtype}, loaded in {load_s:.1f}s)", file=sys.stderr)
+    timings = {}
+    try:
+        if draft is not None:
+            out = generate(target, draft, prompts, tree=tree, stream=stream if stream_rows else None,
+                           timings=timings, **common)
+        else:
+            out = generate_vanilla(target, prompts, stream=stream if stream_rows else None, timings=timings, **common)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if not stream_rows:
+        for i, toks in enumerate(out.tokens):
+            print(f"--- [{i}] {texts[i]!r}\n{tok.decode(toks, skip_special_tokens=True)}")
+    else:
+        print()
+    n = sum(len(t) for t in out.tokens)
+    line = (f"{n} tokens in {timings['run_s']:.2f}s ({n / timings['run_s']:.1f} tokens/s), "
+            f"compile {timings.get('compile_s', 0.0):.1f}s")
+    if out.tau is not None:
+        line += f", tau {out.tau:.2f} over {sum(out.rounds)} rounds"
+    print(line, file=sys.stderr)
+    if args.compare:
+        base = {}
+        ref = generate_vanilla(target, prompts, timings=base, **common)
+        m = sum(len(t) for t in ref.tokens)
+        speed, base_speed = n / timings["run_s"], m / base["run_s"]
+        same = ref.tokens == out.tokens
+        print(f"plain decoding: {m} tokens in {base['run_s']:.2f}s ({base_speed:.1f} tokens/s, compile "
+              f"{base.get('compile_s', 0.0):.1f}s); speedup {speed / base_speed:.2f}x; outputs "
+              + ("identical" if same else ("differ (sampling)" if args.temperature > 0 else "DIFFER")), file=sys.stderr)
+        if args.temperature == 0 and not same:
+            sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
