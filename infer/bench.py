@@ -1,0 +1,254 @@
+"""Benchmark plain decoding, EAGLE-2 and Hugging Face `generate` on EAGLE/MT-bench question files.
+
+    python -m infer.bench --questions ../shared/data/eval/mt_bench.jsonl --limit 10
+    python -m infer.bench --methods plain,hf --limit 5 --max-new-tokens 64     # ours vs transformers
+
+One process, one machine. Multi-turn questions continue the conversation with the model's own
+answers. Compile time is excluded from tokens/s and reported apart (our programs are compiled
+ahead of time per shape bucket). Speedup = EAGLE-2 tokens/s / plain tokens/s; at temperature 0 the
+EAGLE-2 output is checked token for token against plain decoding. Writes results.json,
+results.md and results.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+DEFAULT_QUESTIONS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval",
+                                                 "mt_bench.jsonl"))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--questions", default=DEFAULT_QUESTIONS, help="EAGLE/MT-bench jsonl (`turns`)")
+    ap.add_argument("--limit", type=int, default=None, help="first N questions")
+    ap.add_argument("--categories", nargs="*", default=None, help="only these categories")
+    ap.add_argument("--turns", type=int, default=1, help="turns per question (MT-bench has 2; default 1)")
+    ap.add_argument("--methods", default="plain,eagle", help="comma list of plain, eagle, hf, hf-pld")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
+    ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--total-tokens", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (first turns only when > 1)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--out", default="runs/bench", help="output directory")
+    return ap.parse_args(argv)
+
+
+def load_questions(path, limit, categories):
+    if not os.path.exists(path):
+        sys.exit(f"error: question file not found: {path}")
+    qs = [json.loads(line) for line in open(path) if line.strip()]
+    if categories:
+        qs = [q for q in qs if q.get("category") in categories]
+    return qs[:limit] if limit else qs
+
+
+class Ours:
+    def __init__(self, name, target, draft, tree, args):
+        self.name, self.target, self.draft, self.tree, self.args = name, target, draft, tree, args
+
+    def __call__(self, prompts):
+        from eagle2_jax import generate, generate_vanilla
+        tm = {}
+        kw = dict(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
+                  eos_token_id=self.target.config.eos_token_id, seed=self.args.seed, timings=tm)
+        if self.draft is None:
+            out = generate_vanilla(self.target, prompts, **kw)
+        else:
+            out = generate(self.target, self.draft, prompts, tree=self.tree, **kw)
+        return out.tokens, tm["run_s"], tm.get("compile_s", 0.0), out.accept_lengths
+
+
+class HF:
+    def __init__(self, name, target, args, pld=False):
+        import torch
+        from transformers import AutoModelForCausalLM
+        from eagle2_jax.checkpoints import resolve_source
+        torch.set_num_threads(os.cpu_count() or 1)
+        path = resolve_source(args.model)
+        kw = dict(dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16)
+        if path.endswith(".gguf"):
+            self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), **kw)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        self.model.eval()
+        self.name, self.target, self.args, self.pld, self.torch = name, target, args, pld, torch
+
+    def __call__(self, prompts):
+        torch = self.torch
+        outs, total = [], 0.0
+        eos = self.target.config.eos_token_id
+        for p in prompts:
+            kw = dict(max_new_tokens=self.args.max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+                      do_sample=self.args.temperature > 0)
+            if self.args.temperature > 0:
+                kw["temperature"] = self.args.temperature
+            if self.pld:
+                kw["prompt_lookup_num_tokens"] = 10
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                r = self.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)
+            total += time.perf_counter() - t0
+            outs.append(r[0, len(p):].tolist())
+        return outs, total, 0.0, None
+
+
+def render(tok, messages):
+    s = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(s, add_special_tokens=False)
+
+
+def main(argv=None):
+    args = parse(argv)
+    from tqdm import tqdm
+
+    from eagle2_jax import TreeConfig, load_draft, load_target
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = set(methods) - {"plain", "eagle", "hf", "hf-pld"}
+    if bad:
+        sys.exit(f"error: unknown method(s) {', '.join(sorted(bad))}")
+    questions = load_questions(args.questions, args.limit, args.categories)
+    if not questions:
+        sys.exit("error: no questions selected")
+    target = load_target(args.model, dtype=args.dtype)
+    tok = target.tokenizer
+    runners = {}
+    tree = None
+    for m in methods:
+        if m == "plain":
+            runners[m] = Ours(m, target, None, None, args)
+        elif m == "eagle":
+            draft = load_draft(args.draft or args.model, target)
+            from infer.generate import tree_for
+            tree = tree_for(args, draft)
+            runners[m] = Ours(m, target, draft, tree, args)
+        else:
+            try:
+                runners[m] = HF(m, target, args, pld=(m == "hf-pld"))
+            except ImportError:
+                print(f"skipping {m}: torch/transformers not installed", file=sys.stderr)
+    # warm-up: compile the buckets of a short prompt (reported, not timed)
+    warm = {}
+    for m, r in runners.items():
+        t0 = time.perf_counter()
+        r([render(tok, [{"role": "user", "content": "Hello!"}])] * args.batch)
+        warm[m] = time.perf_counter() - t0
+    rows = []
+    groups = [questions[i:i + args.batch] for i in range(0, len(questions), args.batch)]
+    bar = tqdm(total=len(questions) * len(runners), unit="answer", desc="bench", dynamic_ncols=True)
+    for group in groups:
+        convs = {m: [[] for _ in group] for m in runners}
+        n_turns = 1 if args.batch > 1 else args.turns
+        for turn in range(n_turns):
+            for m, r in runners.items():
+                live = [i for i, q in enumerate(group) if turn < len(q["turns"])]
+                if not live:
+                    continue
+                prompts = []
+                for i in live:
+                    convs[m][i].append({"role": "user", "content": group[i]["turns"][turn]})
+                    prompts.append(render(tok, convs[m][i]))
+                toks, run_s, compile_s, acc = r(prompts)
+                for j, i in enumerate(live):
+                    convs[m][i].append({"role": "assistant", "content": tok.decode(toks[j], skip_special_tokens=True)})
+                    rows.append(dict(method=m, question_id=group[i].get("question_id"), category=group[i].get("category"),
+                                     turn=turn, new_tokens=len(toks[j]), seconds=run_s / len(live), compile_s=compile_s,
+                                     rounds=len(acc[j]) if acc else None,
+                                     tau=(sum(acc[j]) / len(acc[j])) if acc and acc[j] else None, tokens=toks[j]))
+                bar.update(len(live) if turn == 0 else 0)
+    bar.close()
+    summary = summarize(rows, runners, args, tree, warm)
+    write_outputs(args.out, rows, summary)
+    print(markdown(summary))
+
+
+def summarize(rows, runners, args, tree, warm):
+    s = {"questions": args.questions, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+         "batch": args.batch, "tree": tree.__dict__ if tree else None, "warmup_s": warm, "methods": {}}
+    for m in runners:
+        rs = [r for r in rows if r["method"] == m]
+        toks, secs = sum(r["new_tokens"] for r in rs), sum(r["seconds"] for r in rs)
+        d = {"new_tokens": toks, "seconds": secs, "tokens_per_s": toks / secs if secs else 0.0,
+             "compile_s": sum(r["compile_s"] for r in rs)}
+        taus = [r["tau"] for r in rs if r["tau"] is not None]
+        if taus:
+            d["tau"] = sum(r["new_tokens"] for r in rs) / max(1, sum(r["rounds"] for r in rs))
+        cats = collections.defaultdict(lambda: [0, 0.0])
+        for r in rs:
+            cats[r["category"]][0] += r["new_tokens"]
+            cats[r["category"]][1] += r["seconds"]
+        d["per_category_tokens_per_s"] = {c: t / x for c, (t, x) in cats.items() if x}
+        s["methods"][m] = d
+    M = s["methods"]
+    if "plain" in M and "eagle" in M:
+        s["speedup_eagle_vs_plain"] = M["eagle"]["tokens_per_s"] / M["plain"]["tokens_per_s"]
+        s["per_category_speedup"] = {c: M["eagle"]["per_category_tokens_per_s"][c] / v
+                                     for c, v in M["plain"]["per_category_tokens_per_s"].items()
+                                     if c in M["eagle"]["per_category_tokens_per_s"]}
+        if args.temperature == 0:
+            a = {(r["question_id"], r["turn"]): r["tokens"] for r in rows if r["method"] == "plain"}
+            b = {(r["question_id"], r["turn"]): r["tokens"] for r in rows if r["method"] == "eagle"}
+            s["greedy_identical"] = all(a[k] == b.get(k) for k in a)
+    for hf in ("hf", "hf-pld"):
+        if hf in M and "plain" in M:
+            s[f"speedup_plain_vs_{hf}"] = M["plain"]["tokens_per_s"] / M[hf]["tokens_per_s"]
+        if hf in M and "eagle" in M:
+            s[f"speedup_eagle_vs_{hf}"] = M["eagle"]["tokens_per_s"] / M[hf]["tokens_per_s"]
+    return s
+
+
+def markdown(s):
+    lines = [f"questions: {os.path.basename(s['questions'])}, max_new_tokens {s['max_new_tokens']}, "
+             f"temperature {s['temperature']}, batch {s['batch']}, tree {s['tree']}", "",
+             "| method | new tokens | seconds | tokens/s | tau | compile s (excluded) |", "|---|---|---|---|---|---|"]
+    for m, d in s["methods"].items():
+        tau = f"{d['tau']:.2f}" if "tau" in d else "-"
+        lines.append(f"| {m} | {d['new_tokens']} | {d['seconds']:.1f} | {d['tokens_per_s']:.1f} | {tau} | "
+                     f"{d['compile_s'] + s['warmup_s'].get(m, 0):.1f} |")
+    for k in sorted(s):
+        if k.startswith("speedup") or k == "greedy_identical":
+            v = s[k]
+            lines.append(f"- {k}: {v:.2f}x" if isinstance(v, float) else f"- {k}: {v}")
+    return "\n".join(lines)
+
+
+def write_outputs(out, rows, summary):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"summary": summary, "rows": rows}, f)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown(summary) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    sp = summary.get("per_category_speedup") or {}
+    if sp:
+        axes[0].bar(list(sp), list(sp.values()))
+        axes[0].axhline(1.0, color="k", lw=0.8)
+        axes[0].set_title("EAGLE-2 speedup over plain decoding")
+        axes[0].tick_params(axis="x", rotation=45)
+    taus = [r["tau"] for r in rows if r["tau"] is not None]
+    if taus:
+        axes[1].hist(taus, bins=20)
+        axes[1].set_title("tau per answer")
+        axes[1].set_xlabel("tokens per round")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "results.png"), dpi=100)
+
+
+if __name__ == "__main__":
+    main()
