@@ -11,7 +11,7 @@ import importlib.util
 import json
 import os
 import re
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -12,7 +12,7 @@ mask [B, T, S] (committed prefix + causal or tree-ancestor pattern over the new 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax

@@ -9,7 +9,7 @@ Param tree (per-layer params unstacked so no layer slice is ever copied on the h
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax

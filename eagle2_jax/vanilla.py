@@ -15,7 +15,7 @@ from .model import Llama, Target, target_apply, target_logits
 from .outputs import emit
 from .programs import Program, run
 from .sampling import row_keys, sample_token, step_keys
-from .sharding import batch_multiple, constrain, constrain_cache
+from .sharding import batch_multiple, constrain_cache
 
 
 @struct.dataclass

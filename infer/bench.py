@@ -112,7 +112,7 @@ def main(argv=None):
     args = parse(argv)
     from tqdm import tqdm
 
-    from eagle2_jax import TreeConfig, load_draft, load_target
+    from eagle2_jax import load_draft, load_target
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = set(methods) - {"plain", "eagle", "hf", "hf-pld"}
     if bad:
