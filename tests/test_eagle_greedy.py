@@ -129,3 +129,12 @@ def test_mismatched_draft_refused():
     t3, _ = tiny_pair(0, hidden_size=48, num_attention_heads=4)
     with pytest.raises(ValueError, match="hidden size 48 does not match"):
         generate(t, init_draft(t3, 0), [[1]], max_new_tokens=3)
+
+
+def test_stream_matches_loop_and_timings(models, reference):
+    t, d = models["noisy_oracle"]
+    seen, timings = {}, {}
+    out = generate(t, d, PROMPTS, max_new_tokens=23, tree=TreeConfig(3, 2, 9), timings=timings,
+                   stream=lambda r, toks: seen.setdefault(r, []).extend(toks))
+    assert [seen[i] for i in range(3)] == out.tokens == reference["noisy_oracle"]
+    assert timings["run_s"] > 0 and "compile_s" in timings

@@ -155,3 +155,11 @@ def test_missing_tensor(tmp_path):
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple of"):
         ModelConfig(num_attention_heads=4, num_key_value_heads=3, hidden_size=32)
+
+
+def test_save_hf_dir_round_trip(tmp_path):
+    from eagle2_jax.checkpoints import save_hf_dir
+    t = init_target(tiny_config(attention_bias=True), 0)
+    t2 = load_target(save_hf_dir(t, str(tmp_path / "m")))
+    ids = np.arange(9)[None]
+    np.testing.assert_allclose(np.asarray(forward(t2, ids)), np.asarray(forward(t, ids)), atol=1e-6)
