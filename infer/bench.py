@@ -34,7 +34,7 @@ def parse(argv=None):
     ap.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
     ap.add_argument("--depth", type=int, default=None)
     ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--total-tokens", type=int, default=None)
+    ap.add_argument("--total-tokens", default=None, help="an integer, or 'auto' (tuned on this machine)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -130,7 +130,8 @@ def main(argv=None):
         elif m == "eagle":
             draft = load_draft(args.draft or args.model, target)
             from infer.generate import tree_for
-            tree = tree_for(args, draft)
+            tree = tree_for(args, draft, target, [render(tok, [{"role": "user", "content": q["turns"][0]}])
+                                                  for q in questions[:2]])
             runners[m] = Ours(m, target, draft, tree, args)
         else:
             try:

@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed; rows draw independent numbers")
     ap.add_argument("--depth", type=int, default=None, help="EAGLE-2 draft passes after the root's children (default from the head, else 5)")
     ap.add_argument("--top-k", type=int, default=None, help="EAGLE-2 children per node / frontier width (default from the head, else 10)")
-    ap.add_argument("--total-tokens", type=int, default=None, help="EAGLE-2 tokens verified per round, root included (default from the head, else 60)")
+    ap.add_argument("--total-tokens", default=None,
+                    help="EAGLE-2 tokens verified per round, root included (default from the head, else 60); "
+                         "'auto' times rounds on this machine and picks the size with the best expected tokens/s")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
     ap.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,model=4' (default: one device)")
     ap.add_argument("--no-stream", action="store_true", help="run the whole generation on device, print at the end")
@@ -47,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def tree_for(args, draft):
+def tree_for(args, draft, target=None, prompts=None):
+    """The tree: flags over the head's tree.json over the reference defaults; total_tokens 'auto' is tuned."""
     import json
 
     from eagle2_jax import TreeConfig
@@ -55,10 +58,20 @@ def tree_for(args, draft):
     meta = os.path.join(getattr(draft, "source", "") or "", "tree.json")
     if os.path.exists(meta):
         with open(meta) as f:
-            d = json.load(f)
+            d = {k: v for k, v in json.load(f).items() if k in ("depth", "top_k", "total_tokens")}
     for k in ("depth", "top_k", "total_tokens"):
-        if getattr(args, k) is not None:
-            d[k] = getattr(args, k)
+        v = getattr(args, k)
+        if v is not None:
+            d[k] = v if k != "total_tokens" or v == "auto" else int(v)
+    if d.get("total_tokens") == "auto":
+        from eagle2_jax.autotune import choose_tree
+        base = TreeConfig()
+        choice = choose_tree(target, draft, prompts, depth=d.get("depth", base.depth), top_k=d.get("top_k", base.top_k))
+        for r in choice.table:
+            print(f"  total_tokens {r['total_tokens']:3d}: expected tau {r['expected_tau']:.2f}, round "
+                  f"{r['round_ms']:.1f} ms, ~{r['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+        print(f"auto tree: {choice.tree}", file=sys.stderr)
+        return choice.tree
     return TreeConfig(**d)
 
 
@@ -78,7 +91,6 @@ def main(argv=None):
                 draft = load_draft(name, target)
         if args.mode == "eagle" and draft is None:
             raise CheckpointError(f"--mode eagle needs a draft head: none is shipped for {args.model!r}; pass --draft")
-        tree = tree_for(args, draft) if draft is not None else None
         load_s = time.perf_counter() - t0
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")
@@ -93,6 +105,10 @@ def main(argv=None):
         else:
             s = tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
             prompts.append(tok.encode(s, add_special_tokens=False))
+    try:
+        tree = tree_for(args, draft, target, prompts) if draft is not None else None
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     eos = target.config.eos_token_id if tok.eos_token_id is None else tok.eos_token_id
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.sample_top_k, eos_token_id=eos, seed=args.seed)
