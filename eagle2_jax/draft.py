@@ -92,4 +92,23 @@ def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, **c
 
 
 def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, local_mask, offset: int = 0):
-    return module.apply({"params": params}, embeds, features, positions, cache, local_mask, offset)
+    net = {k: v for k, v in params.items() if k != "vocab_head"}
+    return module.apply({"params": net}, embeds, features, positions, cache, local_mask, offset)
+
+
+def with_draft_vocab(draft: Draft, target: Target, token_ids) -> Draft:
+    """Let the draft rank only `token_ids` (e.g. the most frequent tokens of its training data).
+
+    Adds params["vocab_head"] = {ids [V'], w [D, V']} taken from the target's LM head.
+    """
+    import numpy as np
+    ids = np.unique(np.asarray(token_ids, np.int64))
+    if ids.size == 0 or ids.min() < 0 or ids.max() >= target.config.vocab_size:
+        raise ValueError(f"draft vocabulary must be non-empty ids in [0, {target.config.vocab_size})")
+    p = target.params
+    head = p["embed"].T if target.config.tie_word_embeddings else p["lm_head"]  # [D, V]
+    w = jnp.take(head, jnp.asarray(ids, jnp.int32), axis=1)
+    from .sharding import shard_params
+    vh = shard_params({"vocab_head": {"ids": jnp.asarray(ids, jnp.int32), "w": w}}, target.mesh)
+    net = {k: v for k, v in draft.params.items() if k != "vocab_head"}
+    return dataclasses.replace(draft, params={**net, **vh})

@@ -24,6 +24,7 @@ from .model import Target, resolve_dtype
 from .sharding import shard_params
 
 OURS_META = "eagle2_jax_draft.json"
+VOCAB_FILE = "draft_vocab.json"  # optional: token ids the draft ranks (frequent-token subset)
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
 NAMED_DRAFTS = {"smollm2-135m-instruct": os.path.join(HEADS_DIR, "smollm2-135m-instruct")}
 
@@ -104,8 +105,25 @@ def _load_ours(directory: str, target: Target, dtype) -> Draft:
     return Draft(config, shard_params(params, target.mesh), bias, dtype, source=directory)
 
 
-def load_draft(source: str, target: Target, dtype: Optional[str] = None) -> Draft:
-    """Load a draft head for `target`: a named head, an EAGLE-format directory, or ours."""
+def load_draft(source: str, target: Target, dtype: Optional[str] = None, draft_vocab: bool = True) -> Draft:
+    """Load a draft head for `target`: a named head, an EAGLE-format directory, or ours.
+
+    A `draft_vocab.json` beside the weights (and `draft_vocab=True`) restricts drafting to those tokens.
+    """
+    d = _load_draft(source, target, dtype)
+    vocab = os.path.join(d.source, VOCAB_FILE)
+    if draft_vocab and os.path.exists(vocab):
+        from .draft import with_draft_vocab
+        try:
+            with open(vocab) as f:
+                ids = json.load(f)["ids"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"corrupt {vocab}: {e}") from None
+        d = with_draft_vocab(d, target, ids)
+    return d
+
+
+def _load_draft(source: str, target: Target, dtype: Optional[str] = None) -> Draft:
     dt = resolve_dtype(dtype) if dtype is not None else target.dtype
     path = NAMED_DRAFTS.get(str(source), str(source))
     if not os.path.isdir(path):
@@ -139,8 +157,15 @@ def eagle_state_dict(draft: Draft) -> dict:
 
 
 def save_draft(draft: Draft, directory: str, format: str = "eagle", dtype: str = "bfloat16") -> str:
-    """Write `draft` as an EAGLE-format directory (safetensors) or in our Orbax format."""
+    """Write `draft` as an EAGLE-format directory (safetensors) or in our Orbax format
+    (plus `draft_vocab.json` when the draft has a vocabulary subset)."""
     os.makedirs(directory, exist_ok=True)
+    vh = draft.params.get("vocab_head")
+    if vh is not None:
+        with open(os.path.join(directory, VOCAB_FILE), "w") as f:
+            json.dump({"ids": np.asarray(vh["ids"]).tolist()}, f)
+        import dataclasses
+        draft = dataclasses.replace(draft, params={k: v for k, v in draft.params.items() if k != "vocab_head"})
     if format == "eagle":
         from safetensors.flax import save_file
         dt = resolve_dtype(dtype)

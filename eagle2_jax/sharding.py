@@ -36,6 +36,7 @@ PARAM_RULES: tuple = (
     (r"mlp/(gate|up)/kernel$", (None, "mlp")),
     (r"mlp/(gate|up)/bias$", ("mlp",)),
     (r"mlp/down/kernel$", ("mlp", None)),
+    (r"vocab_head/w$", (None, "vocab")),
     (r".*", ()),  # everything else (norms, draft fc) replicated
 )
 

@@ -42,6 +42,23 @@ def _take_rows(x_BK, idx_BJ):
     return jnp.take_along_axis(x_BK, idx, axis=1)
 
 
+def draft_topk(tmodule: Llama, tparams, dparams, h, k: int):
+    """The draft's k best next tokens and their log-probs from hidden states h [..., D].
+
+    With a `vocab_head` in the draft params (a frequent-token subset, FR-Spec style: `ids` [V'] and
+    the matching LM-head columns `w` [D, V']), the draft ranks only that subset, which makes each
+    draft pass's LM head V/V' times cheaper; verification always uses the full vocabulary, so this
+    changes which tokens are proposed, never what is accepted.
+    """
+    vh = dparams.get("vocab_head") if isinstance(dparams, dict) else None
+    if vh is None:
+        score, tok = jax.lax.top_k(_log_softmax_f32(target_logits(tmodule, tparams, h)), k)
+        return score, tok.astype(jnp.int32)
+    logits = jnp.einsum("...d,dv->...v", h, vh["w"], preferred_element_type=jnp.float32)
+    score, idx = jax.lax.top_k(_log_softmax_f32(logits), k)
+    return score, jnp.take(vh["ids"], idx).astype(jnp.int32)
+
+
 def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCache,
            hidden_BD: jax.Array, tree: TreeConfig):
     """Grow the candidate pool from the draft's last hidden state (the root's prediction).
@@ -51,9 +68,7 @@ def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCach
     """
     K, D = tree.top_k, tree.depth
     B, Dm = hidden_BD.shape
-    logp_BV = _log_softmax_f32(target_logits(tmodule, tparams, hidden_BD))
-    score_BK, tok_BK = jax.lax.top_k(logp_BV, K)
-    tok_BK = tok_BK.astype(jnp.int32)
+    score_BK, tok_BK = draft_topk(tmodule, tparams, dparams, hidden_BD, K)
     pool_tok, pool_score = [tok_BK], [score_BK]
     pool_parent = [jnp.full((B, K), -1, jnp.int32)]
     frontier_idx = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))  # pool index
@@ -65,8 +80,7 @@ def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCach
         emb = target_embed(tmodule, tparams, tok_BK)
         pos = jnp.broadcast_to((dcache.length + level)[:, None], (B, K))
         h_BKD, dcache = draft_apply(dmodule, dparams, emb, parent_h, pos, dcache, anc_BKU, offset=level * K)
-        logp = _log_softmax_f32(target_logits(tmodule, tparams, h_BKD))  # [B, K, V]
-        child_score, child_tok = jax.lax.top_k(logp, K)  # [B, K, K]
+        child_score, child_tok = draft_topk(tmodule, tparams, dparams, h_BKD, K)  # [B, K, K]
         cand = (score_BK[:, :, None] + child_score).reshape(B, K * K)
         cand_tok = child_tok.reshape(B, K * K).astype(jnp.int32)
         pool_tok.append(cand_tok)

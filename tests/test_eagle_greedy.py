@@ -138,3 +138,17 @@ def test_stream_matches_loop_and_timings(models, reference):
                    stream=lambda r, toks: seen.setdefault(r, []).extend(toks))
     assert [seen[i] for i in range(3)] == out.tokens == reference["noisy_oracle"]
     assert timings["run_s"] > 0 and "compile_s" in timings
+
+
+@pytest.mark.parametrize("cfg", [(3, 2, 9), (5, 4, 30), (1, 1, 2)], ids=lambda c: "d%d_k%d_n%d" % c)
+def test_draft_vocab_subset_is_lossless(models, reference, cfg, tmp_path):
+    from eagle2_jax import load_draft, save_draft
+    from eagle2_jax.draft import with_draft_vocab
+    t, d = models["noisy_oracle"]
+    sub = with_draft_vocab(d, t, list(range(0, 64, 2)) + [reference["noisy_oracle"][0][0]])
+    out = generate(t, sub, PROMPTS, max_new_tokens=23, tree=TreeConfig(*cfg))
+    assert out.tokens == reference["noisy_oracle"]
+    save_draft(sub, str(tmp_path / "h"), format="eagle", dtype="float32")
+    again = load_draft(str(tmp_path / "h"), t)
+    assert again.params["vocab_head"]["ids"].shape == sub.params["vocab_head"]["ids"].shape
+    assert generate(t, again, PROMPTS, max_new_tokens=23, tree=TreeConfig(*cfg)).tokens == out.tokens
