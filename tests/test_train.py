@@ -139,3 +139,9 @@ def test_batcher_is_deterministic():
     assert sorted(seen[:5]) == list(range(5))  # an epoch covers every sequence once
     ids, mask = a.batch(0)
     assert ids.shape == (4, 10) and mask.all()
+
+
+def test_frequent_tokens():
+    from train.vocab import frequent_tokens
+    ex = [(np.array([5, 5, 5, 7, 7, 9, 1]), np.array([1, 1, 1, 1, 1, 1, 0]))]
+    assert frequent_tokens(ex, 2, always=(0,)).tolist() == [0, 5, 7]
