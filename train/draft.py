@@ -195,6 +195,8 @@ def main(argv=None):
     log = open(os.path.join(cfg["out"], "log.jsonl"), "a")
 
     def save(step):
+        if mngr.latest_step() == step:
+            return
         mngr.save(step, args=ocp.args.StandardSave({"params": draft.params, "opt_state": opt_state}), force=True)
         mngr.wait_until_finished()
 
