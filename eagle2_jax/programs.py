@@ -11,11 +11,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+_ALL: list = []
+
+
+def clear_all() -> None:
+    """Drop every compiled program (e.g. after patching a function they trace)."""
+    for p in _ALL:
+        p._compiled.clear()
+
+
 class Program:
     def __init__(self, fn: Callable, static: tuple):
         self.name = fn.__name__
         self._jit = jax.jit(fn, static_argnames=static)
         self._compiled: dict = {}
+        _ALL.append(self)
 
     @property
     def num_compiled(self) -> int:

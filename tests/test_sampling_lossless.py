@@ -16,6 +16,7 @@ import pytest
 
 from eagle2_jax import SamplingConfig, TreeConfig, forward, generate
 from eagle2_jax import verify as verify_mod
+from eagle2_jax.programs import clear_all
 from eagle2_jax.sampling import target_probs
 from helpers import tiny_pair
 
@@ -115,6 +116,7 @@ def test_wrong_acceptance_rule_is_caught(pair, monkeypatch, broken):
     t, d = pair
     monkeypatch.setattr(verify_mod, "_walk_row", broken)
     jax.clear_caches()
+    clear_all()  # our AOT cache too, or the correct rule would still run
     try:
         expected = exact_distribution(t, SamplingConfig(1.0, 0, 1.0))
         counts = sample_counts(t, d, TREES["tree"], 1.0, 1.0)
@@ -122,4 +124,5 @@ def test_wrong_acceptance_rule_is_caught(pair, monkeypatch, broken):
     finally:
         monkeypatch.undo()
         jax.clear_caches()
+        clear_all()
     assert p < P_THRESHOLD, f"broken rule passed: chi2={stat:.1f} on {k} dof, p={p:.2e}"
