@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .cache import KVCache, init_cache
 from .config import ModelConfig
-from .layers import DecoderLayer, cache_mask
+from .layers import DecoderLayer, split_masks
 from .model import Target, resolve_dtype
 
 
@@ -32,9 +32,9 @@ class EagleDraft(nn.Module):
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = nn.Dense(self.config.hidden_size, use_bias=self.bias, dtype=self.dtype,
                      param_dtype=self.dtype, name="fc")(x)
-        mask = cache_mask(cache.length, local_mask_BTU, cache.max_len)
+        masks = split_masks(cache.length, local_mask_BTU, offset, cache.max_len)
         h, (k, v) = DecoderLayer(self.config, self.dtype, input_norm=False, name="layers_0")(
-            x, positions_BT, cache.k[0], cache.v[0], cache.length + offset, mask)
+            x, positions_BT, cache.k[0], cache.v[0], cache.length + offset, masks)
         return h, cache.replace(k=(k,), v=(v,))
 
 

@@ -4,10 +4,12 @@ Shapes are written in names: B batch, T new tokens, S cache slots, H query heads
 heads, G = H // K, Dh head dim, D hidden, F MLP width. Keys/values live in the cache as
 [B, K, S, Dh].
 
-Each attention call first writes its new keys/values into the cache at slots
-write_at[b] .. write_at[b]+T-1 (an in-place dynamic-update-slice: the old buffer is dead
-afterwards, so XLA never copies the cache), then attends over the whole cache under an explicit
-mask [B, T, S] (committed prefix + causal or tree-ancestor pattern over the new slots).
+Each attention call attends over the cache as it was before the call (committed prefix plus
+scratch slots written by earlier calls, under an explicit mask [B, T, S]) and over its own new
+keys/values (mask [B, T, T]) in one softmax, then writes the new keys/values into the cache at
+slots write_at[b] .. write_at[b]+T-1. Reading before writing leaves the cache update with a
+single consumer, so XLA performs it in place; reading the updated cache instead made XLA's CPU
+fusion duplicate the update and copy every layer's cache twice per step at batch 1.
 """
 from __future__ import annotations
 
@@ -71,8 +73,11 @@ class RMSNorm(nn.Module):
         return scale.reshape((1,) * (x.ndim - 1) + (-1,)) * xf.astype(self.dtype)
 
 
-def attend(q_BTHD, k_BKSD, v_BKSD, mask_BTS):
-    """Softmax attention, float32 scores and softmax; (B, K) batched matmuls with no cache transpose."""
+def attend(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
+    """Softmax attention over cache slots and this call's own keys/values together.
+
+    Float32 scores and softmax; (B, K) batched matmuls with no cache transpose.
+    """
     B, T, H, Dh = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     G = H // K
@@ -81,24 +86,35 @@ def attend(q_BTHD, k_BKSD, v_BKSD, mask_BTS):
     q = q_BTHD.astype(f32).reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, Dh)
     q = q * (1.0 / math.sqrt(Dh))
     dot = lambda eq, a, b: jnp.einsum(eq, a.astype(b.dtype), b, preferred_element_type=f32)  # noqa: E731
-    scores = dot("bkmd,bksd->bkms", q, k_BKSD)
-    mask = jnp.broadcast_to(mask_BTS[:, None], (B, G, T, S)).reshape(B, 1, G * T, S)
-    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
-    out = dot("bkms,bksd->bkmd", probs, v_BKSD)
+    rows = lambda m: jnp.broadcast_to(m[:, None], (B, G) + m.shape[1:]).reshape(B, 1, G * T, -1)  # noqa: E731
+    scores = jnp.concatenate([jnp.where(rows(mask_BTS), dot("bkmd,bksd->bkms", q, k_BKSD), NEG_INF),
+                              jnp.where(rows(mask_new_BTT), dot("bkmd,bkud->bkmu", q, k_new_BKTD), NEG_INF)],
+                             axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = dot("bkms,bksd->bkmd", probs[..., :S], v_BKSD) + dot("bkmu,bkud->bkmd", probs[..., S:], v_new_BKTD)
     return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
 
 
-def write_rows(buf_BKSD, new_BKTD, start_B):
-    """buf[b, :, start[b]:start[b]+T] = new[b], row by row (in-place dynamic-update-slices).
+def after(x) -> jax.Array:
+    """A scalar 0 that data-depends on x: adding it to a cache update orders the update after
+    the reads that produced x. Without that edge XLA cannot prove the in-place update safe
+    inside a loop and copies the cache (twice per layer and step). XLA does not fold x * 0 for
+    floats; the select keeps the result 0 even if x held inf or NaN."""
+    x0 = jax.lax.stop_gradient(x.reshape(-1)[0].astype(jnp.float32))
+    return jnp.where(jnp.isfinite(x0), x0, 0.0) * 0.0
 
-    Callers size the cache so start + T <= S (dynamic_update_slice would clamp otherwise).
+
+def write_rows(buf_BKSD, new_BKTD, start_B):
+    """buf[b, :, start[b]:start[b]+T] = new[b], row by row.
+
+    A straight-line chain of dynamic-update-slices (B is static), which XLA performs in place;
+    a loop here would make XLA copy the cache at every call. Callers size the cache so
+    start + T <= S (dynamic_update_slice would clamp otherwise).
     """
     new = new_BKTD.astype(buf_BKSD.dtype)
-
-    def one(b, buf):
-        row = jax.lax.dynamic_index_in_dim(new, b, axis=0, keepdims=True)
-        return jax.lax.dynamic_update_slice(buf, row, (b, 0, start_B[b], 0))
-    return jax.lax.fori_loop(0, buf_BKSD.shape[0], one, buf_BKSD)
+    for b in range(buf_BKSD.shape[0]):
+        buf_BKSD = jax.lax.dynamic_update_slice(buf_BKSD, new[b:b + 1], (b, 0, start_B[b], 0))
+    return buf_BKSD
 
 
 def cache_mask(length_B, local_mask_BTU, S: int):
@@ -111,13 +127,29 @@ def cache_mask(length_B, local_mask_BTU, S: int):
     return (rel < 0)[:, None, :] | local
 
 
+def split_masks(length_B, local_mask_BTU, offset: int, S: int):
+    """Masks for `attend` when T new tokens go to scratch slots length+offset .. +T-1.
+
+    Returns ([B, T, S] over the cache as it was, with the new tokens' own slots hidden because
+    they still hold stale values; [B, T, T] over the new tokens, local_mask[..., offset:offset+T]).
+    """
+    B, T, U = local_mask_BTU.shape
+    if offset + T > U:
+        raise ValueError(f"local mask covers {U} scratch slots, but tokens go to {offset}..{offset + T - 1}")
+    own = (jnp.arange(U) >= offset) & (jnp.arange(U) < offset + T)
+    return (cache_mask(length_B, local_mask_BTU & ~own[None, None, :], S),
+            local_mask_BTU[:, :, offset:offset + T])
+
+
 class Attention(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, mask_BTS):
-        """Returns (out [B,T,D], (cache_k, cache_v) with this call's keys/values written)."""
+    def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, masks):
+        """masks: (cache [B,T,S], new [B,T,T]) from `split_masks`.
+
+        Returns (out [B,T,D], (cache_k, cache_v) with this call's keys/values written)."""
         c = self.config
         dense = lambda feats, name, bias: nn.DenseGeneral(  # noqa: E731
             feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
@@ -127,9 +159,12 @@ class Attention(nn.Module):
         inv_freq = rope_inv_freq(c)
         q = apply_rope(q, positions_BT, inv_freq)
         k = apply_rope(k, positions_BT, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
-        cache_k = write_rows(cache_k, k, write_at_B)
-        cache_v = write_rows(cache_v, v.transpose(0, 2, 1, 3), write_at_B)
-        out = attend(q, cache_k, cache_v, mask_BTS).astype(self.dtype)
+        v = v.transpose(0, 2, 1, 3)
+        kc, vc = k.astype(cache_k.dtype), v.astype(cache_v.dtype)  # as a cache read would give
+        out = attend(q, cache_k, cache_v, masks[0], kc, vc, masks[1]).astype(self.dtype)
+        dep = after(out)
+        cache_k = write_rows(cache_k, kc + dep, write_at_B)
+        cache_v = write_rows(cache_v, vc + dep, write_at_B)
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
                               param_dtype=self.dtype, name="o")(out)
         return out, (cache_k, cache_v)
@@ -156,10 +191,10 @@ class DecoderLayer(nn.Module):
     input_norm: bool = True
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, mask_BTS):
+    def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, masks):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x_BTD) if self.input_norm else x_BTD
-        a, kv = Attention(c, self.dtype, name="attn")(h, positions_BT, cache_k, cache_v, write_at_B, mask_BTS)
+        a, kv = Attention(c, self.dtype, name="attn")(h, positions_BT, cache_k, cache_v, write_at_B, masks)
         x = x_BTD + a
         x = x + MLP(c, self.dtype, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x))
         return x, kv

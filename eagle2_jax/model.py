@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from .cache import KVCache, init_cache
 from .config import ModelConfig
-from .layers import DecoderLayer, RMSNorm, cache_mask, causal_mask
+from .layers import DecoderLayer, RMSNorm, causal_mask, split_masks
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -63,11 +63,11 @@ class Llama(nn.Module):
         new keys/values written; its length is unchanged).
         """
         x = self.embed_tokens(tokens_BT)
-        mask = cache_mask(cache.length, local_mask_BTU, cache.max_len)
+        masks = split_masks(cache.length, local_mask_BTU, offset, cache.max_len)
         write_at = cache.length + offset
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, positions_BT, cache.k[i], cache.v[i], write_at, mask)
+            x, (k, v) = layer(x, positions_BT, cache.k[i], cache.v[i], write_at, masks)
             ks.append(k)
             vs.append(v)
         return self.norm(x), cache.replace(k=tuple(ks), v=tuple(vs))

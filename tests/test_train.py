@@ -146,3 +146,53 @@ def test_frequent_tokens():
     from train.vocab import frequent_tokens
     ex = [(np.array([5, 5, 5, 7, 7, 9, 1]), np.array([1, 1, 1, 1, 1, 1, 0]))]
     assert frequent_tokens(ex, 2, always=(0,)).tolist() == [0, 5, 7]
+
+
+def test_feature_cache_matches_on_the_fly_features(tiny_run):
+    root, tdir, data = tiny_run
+    tdraft.main(_args(root, tdir, data, "live", 4, ["--feature-cache", "false"]))
+    tdraft.main(_args(root, tdir, data, "cached", 4))
+    assert (root / "cached" / "features" / "features.npy").exists()
+    assert not (root / "live" / "features").exists()
+    live = [r["loss"] for r in _log(root, "live") if "loss" in r]
+    cached = [r["loss"] for r in _log(root, "cached") if "loss" in r]
+    np.testing.assert_allclose(live, cached, rtol=2e-3)  # float16 storage of the features
+
+
+def test_feature_cache_resumes_and_detects_changed_data(tmp_path):
+    from train.features import FeatureCache, fingerprint
+    seqs = [(np.full(6, i, np.int32), np.ones(6)) for i in range(5)]
+    calls = []
+
+    def compute(ids):
+        calls.append(ids[:, 0].tolist())
+        return np.repeat(ids[:, :, None].astype(np.float32), 3, axis=2)
+
+    def killed(ids):
+        if calls:
+            raise KeyboardInterrupt  # killed during the second batch
+        return compute(ids)
+
+    key = fingerprint(seqs, "t", "float32")
+    c = FeatureCache(str(tmp_path), 5, 6, 3, key)
+    with pytest.raises(KeyboardInterrupt):
+        c.fill(seqs, killed, 2, progress=False)
+    c = FeatureCache(str(tmp_path), 5, 6, 3, key)
+    assert c.done == 2
+    calls.clear()
+    c.fill(seqs, compute, 2, progress=False)
+    assert calls == [[2, 3], [4, 0]]  # resumed at row 2; the last batch is padded
+    np.testing.assert_array_equal(c.rows([4, 1])[:, 0, 0], [4, 1])
+    other = [(s + 1, m) for s, m in seqs]
+    c2 = FeatureCache(str(tmp_path), 5, 6, 3, fingerprint(other, "t", "float32"))
+    assert c2.done == 0  # different tokens: rebuilt, never reused
+
+
+def test_draft_vocab_training_exports_the_vocabulary(tiny_run):
+    root, tdir, data = tiny_run
+    tdraft.main(_args(root, tdir, data, "vocab", 3, ["--draft-vocab", "40", "--export", str(root / "vexport")]))
+    ids = json.load(open(root / "vexport" / "draft_vocab.json"))["ids"]
+    assert 3 <= len(ids) <= 43 and ids == sorted(ids)
+    from eagle2_jax import load_target
+    d = load_draft(str(root / "vexport"), load_target(tdir))
+    np.testing.assert_array_equal(np.asarray(d.params["vocab_head"]["ids"]), ids)

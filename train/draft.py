@@ -3,9 +3,14 @@
     python -m train.draft --config configs/smollm2-135m-instruct.yaml [--steps N] [--lr X] ...
 
 Every YAML key can be overridden by the flag of the same name (dashes or underscores); `data`
-takes one shard directory or several (comma-separated; held-out examples come from the first). Target
-features are computed on the fly by a jitted batched forward inside the training step (no disk
-cache to keep in sync). Orbax checkpoints every `ckpt_every` steps and at exit (Ctrl-C / SIGTERM
+takes one shard directory or several (comma-separated; held-out examples come from the first).
+
+Target features: with `feature_cache: true` (the default) a jitted batched forward computes them
+once for every packed sequence into `<out>/features` (float16, resumable, rebuilt when the data
+changes), and steps read them from there; with `false` each step runs the target forward itself.
+`draft_vocab` (a token count, or a draft_vocab.json path) restricts the cross-entropy to the tokens
+the draft will rank at inference (a V/V' cheaper LM head in every step); the list is written next
+to the exported head so `load_draft` applies it. Orbax checkpoints every `ckpt_every` steps and at exit (Ctrl-C / SIGTERM
 included); a restart resumes from the latest one with the same data order. At the end the head is
 exported in the EAGLE format (bf16 safetensors) and in ours.
 """
@@ -26,7 +31,7 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
                 weight_decay=0.0, clip_norm=0.5, noise=0.1, v_weight=1.0, p_weight=0.1,
                 heldout_examples=32, seed=0, mesh=None, log_every=10, ckpt_every=50, eval_every=200,
                 eval_tau_prompts=4, eval_tau_tokens=64, tree=dict(depth=5, top_k=10, total_tokens=60),
-                init_from=None)
+                init_from=None, feature_cache=True, draft_vocab=None, feature_batch=8)
 
 
 def load_config(argv=None) -> dict:
@@ -38,6 +43,8 @@ def load_config(argv=None) -> dict:
             ap.add_argument("--tree", help="depth,top_k,total_tokens for evaluation (e.g. 5,10,60)")
             continue
         typ = type(v) if v is not None and not isinstance(v, bool) else str
+        if isinstance(v, bool):
+            typ = _bool
         ap.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None, help=f"(default {v})")
     args = ap.parse_args(argv)
     cfg = dict(DEFAULTS)
@@ -61,6 +68,14 @@ def load_config(argv=None) -> dict:
         if not cfg[req]:
             sys.exit(f"error: --{req} is required (or set it in --config)")
     return cfg
+
+
+def _bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
 
 
 class Batcher:
@@ -118,29 +133,53 @@ def make_optimizer(cfg):
 
 
 def build_step(tmodule, dmodule, opt, cfg):
+    """Jitted (train step, eval). The train step takes features [B, T, D] (from the cache) or
+    None (computed inside by the target), and the draft-vocabulary ids or None."""
     import jax
-    from train.loss import draft_loss, target_features
+    import optax
+    from train.loss import draft_loss, target_features, vocab_head
 
-    def step(dparams, opt_state, tparams, ids, mask, key):
-        feats = target_features(tmodule, tparams, ids)
+    def step(dparams, opt_state, tparams, ids, mask, feats, vocab_ids, key):
+        if feats is None:
+            feats = target_features(tmodule, tparams, ids)
+        head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
         grad_fn = jax.value_and_grad(draft_loss, has_aux=True)
         (_, metrics), grads = grad_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, key, cfg["noise"],
-                                      cfg["v_weight"], cfg["p_weight"])
+                                      cfg["v_weight"], cfg["p_weight"], head)
         updates, opt_state = opt.update(grads, opt_state, dparams)
-        import optax
         return optax.apply_updates(dparams, updates), opt_state, metrics
 
-    def evaluate(dparams, tparams, ids, mask):
+    def evaluate(dparams, tparams, ids, mask, vocab_ids):
         feats = target_features(tmodule, tparams, ids)
+        head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
         _, metrics = draft_loss(dparams, dmodule, tmodule, tparams, ids, mask, feats, None, 0.0,
-                                cfg["v_weight"], cfg["p_weight"])
+                                cfg["v_weight"], cfg["p_weight"], head)
         return metrics
 
     return jax.jit(step, donate_argnums=(0, 1)), jax.jit(evaluate)
 
 
-def eval_tau(target, draft, examples, cfg):
+def resolve_vocab(spec, train, out_dir):
+    """None, a token count (the most frequent assistant tokens of `train`) or a json path -> ids."""
+    if spec is None or spec == "" or spec == 0:
+        return None
+    if isinstance(spec, int) or str(spec).isdigit():
+        from train.vocab import frequent_tokens
+        ids = frequent_tokens(train, int(spec), always=(0, 1, 2))
+        with open(os.path.join(out_dir, "draft_vocab.json"), "w") as f:
+            json.dump({"ids": ids.tolist(), "size": int(spec)}, f)
+        return ids
+    if not os.path.exists(str(spec)):
+        sys.exit(f"error: draft_vocab file not found: {spec}")
+    with open(spec) as f:
+        return np.asarray(json.load(f)["ids"], np.int64)
+
+
+def eval_tau(target, draft, examples, cfg, vocab=None):
     from eagle2_jax import TreeConfig, generate
+    if vocab is not None:
+        from eagle2_jax.draft import with_draft_vocab
+        draft = with_draft_vocab(draft, target, vocab)
     prompts = [t[:int(np.argmax(m))].tolist() for t, m in examples[:cfg["eval_tau_prompts"]] if m.any()]
     if not prompts:
         return None
@@ -182,6 +221,24 @@ def main(argv=None):
     print(f"{len(batcher)} packed sequences of {cfg['seq_len']} tokens per epoch")
 
     os.makedirs(cfg["out"], exist_ok=True)
+    vocab = resolve_vocab(cfg["draft_vocab"], train, cfg["out"])
+    vocab_dev = None if vocab is None else jax.numpy.asarray(vocab, jax.numpy.int32)
+    if vocab is not None:
+        print(f"cross-entropy over a draft vocabulary of {len(vocab)} tokens")
+    fcache = None
+    if cfg["feature_cache"]:
+        from train.features import FeatureCache, fingerprint
+        from train.loss import target_features
+        key_ = fingerprint(batcher.seqs, str(cfg["target"]), cfg["dtype"])
+        fcache = FeatureCache(os.path.join(cfg["out"], "features"), len(batcher), cfg["seq_len"],
+                              target.config.hidden_size, key_)
+        feat_fn = jax.jit(lambda p, ids: target_features(target.module, p, ids))
+        t0 = time.time()
+        done0 = fcache.done
+        fcache.fill(batcher.seqs, lambda ids: feat_fn(target.params, ids), cfg["feature_batch"])
+        if fcache.done > done0:
+            dt = time.time() - t0
+            print(f"target features: {(fcache.done - done0) * cfg['seq_len'] / dt:.0f} tokens/s, {dt:.0f} s")
     ckpt_dir = os.path.abspath(os.path.join(cfg["out"], "checkpoints"))
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
     start = 0
@@ -209,8 +266,9 @@ def main(argv=None):
     try:
         while step < cfg["steps"] and not stop["flag"]:
             ids, mask = batcher.batch(step)
-            draft.params, opt_state, m = step_fn(draft.params, opt_state, target.params, ids, mask,
-                                                 jax.random.fold_in(key, step))
+            feats = None if fcache is None else fcache.rows(batcher.indices(step))
+            draft.params, opt_state, m = step_fn(draft.params, opt_state, target.params, ids, mask, feats,
+                                                 vocab_dev, jax.random.fold_in(key, step))
             step += 1
             hist.append(m)
             tok_acc += cfg["batch_size"] * cfg["seq_len"]
@@ -226,10 +284,10 @@ def main(argv=None):
             if step % cfg["ckpt_every"] == 0:
                 save(step)
             if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-                em = [eval_fn(draft.params, target.params, *held.batch(i))
+                em = [eval_fn(draft.params, target.params, *held.batch(i), vocab_dev)
                       for i in range(max(1, len(heldout) // held.B))]
                 acc = float(np.mean([float(e["acc"]) for e in em]))
-                tau = eval_tau(target, draft, heldout, cfg)
+                tau = eval_tau(target, draft, heldout, cfg, vocab)
                 rec = dict(step=step, eval_acc=acc, eval_tau=tau, time=time.time())
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
@@ -245,6 +303,9 @@ def main(argv=None):
         save_draft(draft, os.path.join(cfg["out"], "final_orbax"), format="orbax")
         if cfg["export"]:
             save_draft(draft, cfg["export"], format="eagle", dtype="bfloat16")
+            if vocab is not None:
+                with open(os.path.join(cfg["export"], "draft_vocab.json"), "w") as f:
+                    json.dump({"ids": [int(i) for i in vocab]}, f)
             print(f"exported EAGLE-format head to {cfg['export']}")
 
 

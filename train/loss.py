@@ -29,11 +29,23 @@ def smooth_l1(x, y):
     return jnp.where(d < 1.0, 0.5 * d * d, d - 0.5)
 
 
+def vocab_head(tmodule, tparams, ids_V):
+    """The target's LM head restricted to the token ids `ids_V`: [D, V'] (frozen)."""
+    head = tparams["embed"].T if tmodule.config.tie_word_embeddings else tparams["lm_head"]
+    return jax.lax.stop_gradient(jnp.take(head, ids_V, axis=1))
+
+
 def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, noise_key, noise: float,
-               v_weight: float, p_weight: float):
-    """Returns (loss, metrics). Gradients flow into dparams only."""
+               v_weight: float, p_weight: float, head_DV=None):
+    """Returns (loss, metrics). Gradients flow into dparams only.
+
+    With `head_DV` (a `vocab_head` over the draft's vocabulary) the cross-entropy and accuracy
+    are taken over those tokens only, as the draft ranks them at inference; the target's
+    distribution is renormalised over them. Otherwise over the full vocabulary.
+    """
     B, T = ids_BT.shape
     c = dmodule.config
+    feats_BTD = feats_BTD.astype(jnp.float32)  # a disk cache keeps them in float16
     f_in = feats_BTD
     if noise > 0:
         f_in = f_in + jax.random.uniform(noise_key, f_in.shape, f_in.dtype, -noise, noise)
@@ -46,8 +58,13 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     w = mask_BT[:, 1:].astype(jnp.float32)
     n = jnp.maximum(w.sum(), 1.0)
     vloss = (smooth_l1(pred.astype(jnp.float32), tgt.astype(jnp.float32)).mean(-1) * w).sum() / n
-    logp = jax.nn.log_softmax(target_logits(tmodule, tparams, pred), axis=-1)
-    t_logits = jax.lax.stop_gradient(target_logits(tmodule, tparams, tgt))
+    if head_DV is None:
+        head = lambda x: target_logits(tmodule, tparams, x)  # noqa: E731
+    else:
+        head = lambda x: jnp.einsum("...d,dv->...v", x, head_DV.astype(x.dtype),  # noqa: E731
+                                    preferred_element_type=jnp.float32)
+    logp = jax.nn.log_softmax(head(pred), axis=-1)
+    t_logits = jax.lax.stop_gradient(head(tgt.astype(pred.dtype)))
     t_p = jax.nn.softmax(t_logits, axis=-1)
     ploss = (-(t_p * logp).sum(-1) * w).sum() / n
     acc = ((jnp.argmax(logp, -1) == jnp.argmax(t_logits, -1)) * w).sum() / n
