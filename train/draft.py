@@ -212,7 +212,7 @@ def main(argv=None):
     draft = init_draft(target, cfg["seed"])
     if cfg["init_from"]:
         from eagle2_jax import load_draft
-        draft = load_draft(cfg["init_from"], target)
+        draft = load_draft(cfg["init_from"], target, draft_vocab=False)  # the vocabulary comes from draft_vocab
     opt, sched = make_optimizer(cfg)
     opt_state = opt.init(draft.params)
     step_fn, eval_fn = build_step(target.module, draft.module, opt, cfg)

@@ -1,0 +1,220 @@
+"""Round-cost curves: how an EAGLE-2 round's time grows with the tree and the batch, split into its
+parts, against one plain decoding step; and the tree chosen for each batch size.
+
+    python -m infer.roundcost                                  # batch 1,4,16; shipped head
+    python -m infer.roundcost --batch 1 --depth 5 --top-k 10 --total-tokens 2,8,16,32,60
+
+Parts, each compiled on its own and timed on device on the same mid-generation state:
+  draft   expand + rerank (the draft passes, the candidate pool, the top N-1 tree)
+  verify  one target forward over the N tree tokens + the LM head
+  accept  greedy acceptance + cache compaction + output + draft catch-up
+  round   the whole round as the generation loop runs it (the parts fused by XLA; not their sum)
+The tree for each batch maximises expected tokens/s: the draft's own estimate of tokens per round
+(1 + the sum of the N-1 best exp(scores), see eagle2_jax.autotune) over the measured round time.
+Writes roundcost.json, roundcost.md and roundcost.png under --out. Times are the best of
+--repeats runs (compile excluded).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m infer.roundcost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="target (name, HF dir or .gguf)")
+    ap.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
+    ap.add_argument("--batch", default="1,4,16", help="comma list of batch sizes")
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--total-tokens", default="2,4,8,16,32,64", help="comma list of tree sizes N")
+    ap.add_argument("--questions", default=None,
+                    help="EAGLE/MT-bench jsonl whose first turns are the prompts (default: shared MT-bench)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--out", default="runs/bench/roundcost")
+    return ap.parse_args(argv)
+
+
+def _best(fn, repeats):
+    import jax
+    jax.block_until_ready(fn())  # compile + warm
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _parts():
+    """Jitted programs for the parts of a round (static: modules, tree)."""
+    import jax
+    import jax.numpy as jnp
+    from eagle2_jax.cache import compact
+    from eagle2_jax.eagle import draft_catch_up, eagle_round
+    from eagle2_jax.model import target_apply, target_logits
+    from eagle2_jax.outputs import emit
+    from eagle2_jax.tree import expand, rerank
+    from eagle2_jax.verify import accept_greedy
+
+    def draft(tp, dp, st, *, tm, dm, tree):
+        pool, dcache = expand(tm, tp, dm, dp, st.dcache, st.hidden_BD, tree)
+        return rerank(pool, st.root_B, tree), dcache
+
+    def verify(tp, st, t, *, tm):
+        pos = st.tcache.length[:, None] + t.depths_BN
+        feats, tcache = target_apply(tm, tp, t.tokens_BN, pos, st.tcache, t.ancestors_BNN)
+        return feats, target_logits(tm, tp, feats), tcache
+
+    def accept(tp, dp, st, t, feats, logits, tcache, dcache, *, tm, dm, tree):
+        C = tree.max_accept
+        path, n_acc, bonus = accept_greedy(t, logits, C)
+        tcache = compact(tcache, path, n_acc)
+        B = n_acc.shape[0]
+        path_tok = jnp.take_along_axis(t.tokens_BN, path, axis=1)
+        nxt = jnp.concatenate([path_tok[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+        new_tok = jnp.where(jnp.arange(C)[None] == (n_acc - 1)[:, None], bonus[:, None], nxt)
+        out = emit(st.out_BM, st.n_out_B, st.done_B, new_tok, n_acc, st.max_new_B, st.eos)
+        path_feat = jnp.take_along_axis(feats, path[:, :, None], axis=1)
+        hidden, dcache = draft_catch_up(tm, tp, dm, dp, dcache, new_tok, path_feat, n_acc)
+        return out, hidden, tcache, dcache
+
+    def round_(tp, dp, st, *, tm, dm, tree):
+        from eagle2_jax.config import SamplingConfig
+        return eagle_round(tm, tp, dm, dp, st, SamplingConfig(), tree)
+
+    return (jax.jit(draft, static_argnames=("tm", "dm", "tree")), jax.jit(verify, static_argnames=("tm",)),
+            jax.jit(accept, static_argnames=("tm", "dm", "tree")), jax.jit(round_, static_argnames=("tm", "dm", "tree")))
+
+
+def _plain_step_ms(target, prompts, repeats):
+    import jax.numpy as jnp
+    from eagle2_jax.config import SamplingConfig
+    from eagle2_jax.vanilla import INIT, STEP, _device_inputs, _prepare
+    from eagle2_jax.batching import eos_value
+    s = SamplingConfig()
+    b = _prepare(target, prompts, 64, slack=1)
+    prompt, plen, active = _device_inputs(target, b)
+    st = INIT(target.params, prompt, plen, active, jnp.int32(64), jnp.int32(eos_value(None)), jnp.uint32(0),
+              module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=s, mesh=None)
+    return _best(lambda: STEP(target.params, st, module=target.module, sampling=s), repeats)
+
+
+def load_prompts(target, path, n):
+    """The first n first-turn questions of `path`, chat-rendered (random tokens without a tokenizer)."""
+    import numpy as np
+    from infer.bench import DEFAULT_QUESTIONS, load_questions, render
+    if target.tokenizer is None:
+        rng = np.random.default_rng(0)
+        return [rng.integers(3, target.config.vocab_size, 64).tolist() for _ in range(n)]
+    qs = load_questions(path or DEFAULT_QUESTIONS, None, None)
+    qs = (qs * (n // max(len(qs), 1) + 1))[:n]
+    return [render(target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in qs]
+
+
+def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int):
+    """Rows: dict(batch, depth, top_k, total_tokens, draft_ms, verify_ms, accept_ms, round_ms, expected_tau,
+    tokens_per_s) plus the plain step time for this batch."""
+    import numpy as np
+    import jax.numpy as jnp
+    from eagle2_jax.autotune import POOL
+    from eagle2_jax.batching import eos_value, prepare_batch
+    from eagle2_jax.config import SamplingConfig, TreeConfig
+    from eagle2_jax.eagle import INIT, STEP, scratch_slots
+    from eagle2_jax.vanilla import _device_inputs
+    batch = len(prompts)
+    pool_size = top_k + depth * top_k * top_k
+    sizes = sorted({min(n, pool_size + 1) for n in sizes})
+    big = TreeConfig(depth, top_k, sizes[-1])
+    s = SamplingConfig()
+    b = prepare_batch(prompts, 64, vocab_size=target.config.vocab_size,
+                      max_positions=target.config.max_position_embeddings, slack=scratch_slots(big))
+    prompt, plen, active = _device_inputs(target, b)
+    tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
+    st = INIT(tp, dp, prompt, plen, active, jnp.int32(64), jnp.int32(eos_value(None)), jnp.uint32(0), tmodule=tm,
+              dmodule=dm, cache_len=b.cache_len, out_len=b.max_new + big.max_accept, sampling=s, tree=big, mesh=None)
+    for _ in range(4):  # a few real rounds first: mid-generation state
+        st = STEP(tp, dp, st, tmodule=tm, dmodule=dm, sampling=s, tree=big)
+    scores = np.exp(np.asarray(POOL(tp, dp, st, tree=big, tmodule=tm, dmodule=dm)).astype(np.float64))
+    p_draft, p_verify, p_accept, p_round = _parts()
+    plain = _plain_step_ms(target, prompts, repeats)
+    rows = []
+    for n in sizes:
+        tree = TreeConfig(depth, top_k, n)
+        t, dcache = p_draft(tp, dp, st, tm=tm, dm=dm, tree=tree)
+        feats, logits, tcache = p_verify(tp, st, t, tm=tm)
+        row = dict(batch=batch, depth=depth, top_k=top_k, total_tokens=n, plain_step_ms=plain,
+                   draft_ms=_best(lambda: p_draft(tp, dp, st, tm=tm, dm=dm, tree=tree), repeats),
+                   verify_ms=_best(lambda: p_verify(tp, st, t, tm=tm), repeats),
+                   accept_ms=_best(lambda: p_accept(tp, dp, st, t, feats, logits, tcache, dcache, tm=tm, dm=dm,
+                                                    tree=tree), repeats),
+                   round_ms=_best(lambda: p_round(tp, dp, st, tm=tm, dm=dm, tree=tree), repeats),
+                   expected_tau=1.0 + float(scores[:, :n - 1].sum(axis=1).mean()))
+        row["tokens_per_s"] = batch * row["expected_tau"] / row["round_ms"] * 1e3
+        row["plain_tokens_per_s"] = batch / plain * 1e3
+        rows.append(row)
+    return rows
+
+
+def write(rows, out):
+    os.makedirs(out, exist_ok=True)
+    best = {}
+    for r in rows:
+        if r["batch"] not in best or r["tokens_per_s"] > best[r["batch"]]["tokens_per_s"]:
+            best[r["batch"]] = r
+    with open(os.path.join(out, "roundcost.json"), "w") as f:
+        json.dump({"rows": rows, "chosen": {str(k): v for k, v in best.items()}}, f, indent=1)
+    lines = ["| batch | depth/top_k | N | draft ms | verify ms | accept ms | round ms | plain step ms | "
+             "expected tau | expected tok/s | plain tok/s |", "|" + "---|" * 11]
+    for r in rows:
+        mark = " **chosen**" if best[r["batch"]] is r else ""
+        lines.append(f"| {r['batch']} | {r['depth']}/{r['top_k']} | {r['total_tokens']}{mark} | {r['draft_ms']:.1f} | "
+                     f"{r['verify_ms']:.1f} | {r['accept_ms']:.1f} | {r['round_ms']:.1f} | {r['plain_step_ms']:.1f} | "
+                     f"{r['expected_tau']:.2f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} |")
+    with open(os.path.join(out, "roundcost.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return lines
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for bsz in sorted(best):
+        rs = [r for r in rows if r["batch"] == bsz]
+        line, = ax.plot([r["total_tokens"] for r in rs], [r["round_ms"] for r in rs], "o-", label=f"round, batch {bsz}")
+        ax.plot([r["total_tokens"] for r in rs], [r["verify_ms"] for r in rs], "x--", color=line.get_color(), alpha=0.6,
+                label=f"verify, batch {bsz}")
+        ax.axhline(rs[0]["plain_step_ms"], color=line.get_color(), ls=":", alpha=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens verified per round (total_tokens N)")
+    ax.set_ylabel("ms (dotted: one plain decoding step)")
+    ax.set_title("EAGLE-2 round cost")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "roundcost.png"), dpi=110)
+    return lines
+
+
+def main(argv=None):
+    args = parse(argv)
+    from tqdm import tqdm
+    from eagle2_jax import load_draft, load_target
+    target = load_target(args.model, dtype=args.dtype)
+    draft = load_draft(args.draft or args.model, target)
+    sizes = [int(x) for x in args.total_tokens.split(",")]
+    rows = []
+    for bsz in tqdm([int(x) for x in args.batch.split(",")], desc="batch sizes", unit="batch"):
+        prompts = load_prompts(target, args.questions, bsz)
+        rows += measure(target, draft, prompts, args.depth, args.top_k, sizes, args.repeats)
+        write(rows, args.out)
+    print("\n".join(write(rows, args.out)))
+    print(f"wrote {args.out}/roundcost.json, roundcost.md, roundcost.png")
+
+
+if __name__ == "__main__":
+    main()
