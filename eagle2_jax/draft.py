@@ -107,7 +107,7 @@ def with_draft_vocab(draft: Draft, target: Target, token_ids) -> Draft:
         raise ValueError(f"draft vocabulary must be non-empty ids in [0, {target.config.vocab_size})")
     p = target.params
     head = p["embed"].T if target.config.tie_word_embeddings else p["lm_head"]  # [D, V]
-    w = jnp.take(head, jnp.asarray(ids, jnp.int32), axis=1)
+    w = jnp.take(head, jnp.asarray(ids, jnp.int32), axis=1).astype(draft.dtype)
     from .sharding import shard_params
     vh = shard_params({"vocab_head": {"ids": jnp.asarray(ids, jnp.int32), "w": w}}, target.mesh)
     net = {k: v for k, v in draft.params.items() if k != "vocab_head"}

@@ -40,6 +40,8 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (first turns only when > 1)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                    help="draft head dtype (default bfloat16: half the weight traffic of each draft pass; the draft only proposes, so outputs are unchanged)")
     ap.add_argument("--out", default="runs/bench", help="output directory")
     return ap.parse_args(argv)
 
@@ -128,7 +130,7 @@ def main(argv=None):
         if m == "plain":
             runners[m] = Ours(m, target, None, None, args)
         elif m == "eagle":
-            draft = load_draft(args.draft or args.model, target)
+            draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype)
             from infer.generate import tree_for
             tree = tree_for(args, draft, target, [render(tok, [{"role": "user", "content": q["turns"][0]}])
                                                   for q in questions[:2]])

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="EAGLE-2 tokens verified per round, root included (default from the head, else 60); "
                          "'auto' times rounds on this machine and picks the size with the best expected tokens/s")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
+    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                    help="draft head dtype (default bfloat16: half the weight traffic of each draft pass; the draft only proposes, so outputs are unchanged)")
     ap.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,model=4' (default: one device)")
     ap.add_argument("--no-stream", action="store_true", help="run the whole generation on device, print at the end")
     ap.add_argument("--compare", action="store_true",
@@ -88,7 +90,7 @@ def main(argv=None):
         if args.mode != "vanilla" and args.draft != "none":
             name = args.model if args.draft == "auto" else args.draft
             if args.draft != "auto" or (name in NAMED_DRAFTS and os.path.isdir(NAMED_DRAFTS[name])):
-                draft = load_draft(name, target)
+                draft = load_draft(name, target, dtype=args.draft_dtype)
         if args.mode == "eagle" and draft is None:
             raise CheckpointError(f"--mode eagle needs a draft head: none is shipped for {args.model!r}; pass --draft")
         load_s = time.perf_counter() - t0

@@ -35,6 +35,8 @@ def parse(argv=None):
                     help="EAGLE/MT-bench jsonl whose first turns are the prompts (default: shared MT-bench)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                    help="draft head dtype (default bfloat16: half the weight traffic of each draft pass; the draft only proposes, so outputs are unchanged)")
     ap.add_argument("--out", default="runs/bench/roundcost")
     return ap.parse_args(argv)
 
@@ -205,7 +207,7 @@ def main(argv=None):
     from tqdm import tqdm
     from eagle2_jax import load_draft, load_target
     target = load_target(args.model, dtype=args.dtype)
-    draft = load_draft(args.draft or args.model, target)
+    draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype)
     sizes = [int(x) for x in args.total_tokens.split(",")]
     rows = []
     for bsz in tqdm([int(x) for x in args.batch.split(",")], desc="batch sizes", unit="batch"):

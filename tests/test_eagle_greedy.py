@@ -152,3 +152,19 @@ def test_draft_vocab_subset_is_lossless(models, reference, cfg, tmp_path):
     again = load_draft(str(tmp_path / "h"), t)
     assert again.params["vocab_head"]["ids"].shape == sub.params["vocab_head"]["ids"].shape
     assert generate(t, again, PROMPTS, max_new_tokens=23, tree=TreeConfig(*cfg)).tokens == out.tokens
+
+
+@pytest.mark.parametrize("cfg", [(3, 2, 9), (5, 4, 30)], ids=lambda c: "d%d_k%d_n%d" % c)
+def test_bfloat16_draft_with_float32_target_is_lossless(models, reference, cfg, tmp_path):
+    """The CLIs run the draft in bfloat16 by default: proposals change, outputs must not."""
+    import jax.numpy as jnp
+    from eagle2_jax import load_draft, save_draft
+    from eagle2_jax.draft import with_draft_vocab
+    t, d = models["noisy_oracle"]
+    save_draft(with_draft_vocab(d, t, list(range(0, 64, 2)) + [reference["noisy_oracle"][0][0]]),
+               str(tmp_path / "h"), format="eagle", dtype="float32")
+    bf = load_draft(str(tmp_path / "h"), t, dtype="bfloat16")
+    assert bf.params["vocab_head"]["w"].dtype == jnp.bfloat16
+    out = generate(t, bf, PROMPTS, max_new_tokens=23, tree=TreeConfig(*cfg))
+    assert out.tokens == reference["noisy_oracle"]
+    assert max(max(a) for a in out.accept_lengths) > 1  # the bf16 draft still gets tokens accepted
