@@ -92,8 +92,9 @@ def attend(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BT
     def cols(m_BTX):  # [B, T, X] -> [B, 1, X, M]
         m = jnp.broadcast_to(m_BTX[:, None], (B, G) + m_BTX.shape[1:]).reshape(B, G * T, -1)
         return m.transpose(0, 2, 1)[:, None]
-    scores = jnp.concatenate([jnp.where(cols(mask_BTS), dot("bksd,bkmd->bksm", k_BKSD, q), NEG_INF),
-                              jnp.where(cols(mask_new_BTT), dot("bkud,bkmd->bkum", k_new_BKTD, q), NEG_INF)],
+    qc = q.astype(k_BKSD.dtype)  # the query takes the cache's dtype, never the other way round
+    scores = jnp.concatenate([jnp.where(cols(mask_BTS), dot("bksd,bkmd->bksm", k_BKSD, qc), NEG_INF),
+                              jnp.where(cols(mask_new_BTT), dot("bkud,bkmd->bkum", k_new_BKTD, qc), NEG_INF)],
                              axis=2)
     probs = jax.nn.softmax(scores, axis=2)
     out = dot("bksm,bksd->bkmd", probs[:, :, :S], v_BKSD) + dot("bkum,bkud->bkmd", probs[:, :, S:], v_new_BKTD)
@@ -167,7 +168,7 @@ class Attention(nn.Module):
         v = v.transpose(0, 2, 1, 3)
         kc, vc = k.astype(cache_k.dtype), v.astype(cache_v.dtype)  # as a cache read would give
         out = attend(q, cache_k, cache_v, masks[0], kc, vc, masks[1]).astype(self.dtype)
-        dep = after(out)
+        dep = after(out).astype(cache_k.dtype)
         cache_k = write_rows(cache_k, kc + dep, write_at_B)
         cache_v = write_rows(cache_v, vc + dep, write_at_B)
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,

@@ -42,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="EAGLE-2 tokens verified per round, root included (default from the head, else 60); "
                          "'auto' times rounds on this machine and picks the size with the best expected tokens/s")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
-    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                    help="draft head dtype (default bfloat16: half the weight traffic of each draft pass; the draft only proposes, so outputs are unchanged)")
+    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
+                    help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
+                         "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
+                         "on XLA:CPU here")
     ap.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,model=4' (default: one device)")
     ap.add_argument("--no-stream", action="store_true", help="run the whole generation on device, print at the end")
     ap.add_argument("--compare", action="store_true",

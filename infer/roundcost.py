@@ -35,8 +35,10 @@ def parse(argv=None):
                     help="EAGLE/MT-bench jsonl whose first turns are the prompts (default: shared MT-bench)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default="bfloat16",
-                    help="draft head dtype (default bfloat16: half the weight traffic of each draft pass; the draft only proposes, so outputs are unchanged)")
+    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
+                    help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
+                         "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
+                         "on XLA:CPU here")
     ap.add_argument("--out", default="runs/bench/roundcost")
     return ap.parse_args(argv)
 
