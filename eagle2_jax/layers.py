@@ -111,16 +111,27 @@ def after(x) -> jax.Array:
 
 
 def write_rows(buf_BKSD, new_BKTD, start_B):
-    """buf[b, :, start[b]:start[b]+T] = new[b], row by row.
+    """buf[b, :, start[b]:start[b]+T] = new[b] for every row b, in place.
 
-    A straight-line chain of dynamic-update-slices (B is static), which XLA performs in place;
-    a loop here would make XLA copy the cache at every call. Callers size the cache so
-    start + T <= S (dynamic_update_slice would clamp otherwise).
+    Up to UNROLL_ROWS rows: a straight-line chain of dynamic-update-slices, done in place. More
+    rows: a loop of updates (a chain of thousands would bloat the program), for which XLA copies
+    the cache once per call. Callers size the cache so start + T <= S (dynamic_update_slice
+    would clamp otherwise).
     """
     new = new_BKTD.astype(buf_BKSD.dtype)
-    for b in range(buf_BKSD.shape[0]):
-        buf_BKSD = jax.lax.dynamic_update_slice(buf_BKSD, new[b:b + 1], (b, 0, start_B[b], 0))
-    return buf_BKSD
+    B = buf_BKSD.shape[0]
+    if B <= UNROLL_ROWS:
+        for b in range(B):
+            buf_BKSD = jax.lax.dynamic_update_slice(buf_BKSD, new[b:b + 1], (b, 0, start_B[b], 0))
+        return buf_BKSD
+
+    def one(b, buf):
+        row = jax.lax.dynamic_index_in_dim(new, b, axis=0, keepdims=True)
+        return jax.lax.dynamic_update_slice(buf, row, (b, 0, start_B[b], 0))
+    return jax.lax.fori_loop(0, B, one, buf_BKSD)
+
+
+UNROLL_ROWS = 64
 
 
 def cache_mask(length_B, local_mask_BTU, S: int):
@@ -139,7 +150,7 @@ def split_masks(length_B, local_mask_BTU, offset: int, S: int):
     Returns ([B, T, S] over the cache as it was, with the new tokens' own slots hidden because
     they still hold stale values; [B, T, T] over the new tokens, local_mask[..., offset:offset+T]).
     """
-    B, T, U = local_mask_BTU.shape
+    _, T, U = local_mask_BTU.shape
     if offset + T > U:
         raise ValueError(f"local mask covers {U} scratch slots, but tokens go to {offset}..{offset + T - 1}")
     own = (jnp.arange(U) >= offset) & (jnp.arange(U) < offset + T)
@@ -167,10 +178,11 @@ class Attention(nn.Module):
         k = apply_rope(k, positions_BT, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
         v = v.transpose(0, 2, 1, 3)
         kc, vc = k.astype(cache_k.dtype), v.astype(cache_v.dtype)  # as a cache read would give
-        out = attend(q, cache_k, cache_v, masks[0], kc, vc, masks[1]).astype(self.dtype)
+        out = attend(q, cache_k, cache_v, masks[0], kc, vc, masks[1])
         dep = after(out).astype(cache_k.dtype)
         cache_k = write_rows(cache_k, kc + dep, write_at_B)
         cache_v = write_rows(cache_v, vc + dep, write_at_B)
+        out = out.astype(self.dtype)
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
                               param_dtype=self.dtype, name="o")(out)
         return out, (cache_k, cache_v)
