@@ -15,19 +15,21 @@ run() {  # name, then the command
 }
 B=runs/bench/v2
 run v2/roundcost python -m infer.roundcost --batch 1,4,16 --total-tokens 2,4,8,16,32 --repeats 2 --out $B/roundcost
-run v2/speed_mt_bench python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 10 --methods plain,eagle,hf \
-    --max-new-tokens 128 --out $B/speed_mt_bench
-run v2/speed_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 5 --methods plain,eagle \
-    --max-new-tokens 128 --temperature 1.0 --out $B/speed_mt_bench_t1
-for bs in 4 16; do
-  run v2/batch$bs python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods plain,eagle --batch $bs \
-      --max-new-tokens 128 --out $B/batch$bs
-done
-run v2/tau_mt_bench_t0 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods eagle --batch 16 \
+run v2/speed_mt_bench python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 20 --methods plain,eagle,hf \
+    --max-new-tokens 256 --out $B/speed_mt_bench
+run v2/speed_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 10 --methods plain,eagle \
+    --max-new-tokens 256 --temperature 1.0 --out $B/speed_mt_bench_t1
+# tree sizes: the round-cost choice for each batch (runs/bench/v2/roundcost/roundcost.md)
+run v2/batch4 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods plain,eagle --batch 4 \
+    --max-new-tokens 256 --total-tokens 8 --out $B/batch4
+run v2/batch16 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods plain,eagle --batch 16 \
+    --max-new-tokens 256 --total-tokens 2 --out $B/batch16
+# acceptance only (timing-independent): reference tree
+run v2/tau_mt_bench_t0 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 80 --methods eagle --batch 16 \
     --max-new-tokens 256 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_mt_bench_t0
-run v2/tau_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods eagle --batch 16 \
-    --max-new-tokens 256 --temperature 1.0 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_mt_bench_t1
 for q in humaneval gsm8k alpaca; do
   run v2/tau_${q}_t0 python -m infer.bench --questions $EVAL/$q.jsonl --limit 16 --methods eagle --batch 16 \
       --max-new-tokens 256 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_${q}_t0
 done
+run v2/tau_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods eagle --batch 16 \
+    --max-new-tokens 256 --temperature 1.0 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_mt_bench_t1
