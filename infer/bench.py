@@ -167,7 +167,7 @@ def main(argv=None):
                 for j, i in enumerate(live):
                     convs[m][i].append({"role": "assistant", "content": tok.decode(toks[j], skip_special_tokens=True)})
                     rows.append(dict(method=m, question_id=group[i].get("question_id"), category=group[i].get("category"),
-                                     turn=turn, new_tokens=len(toks[j]), seconds=run_s / len(live), compile_s=compile_s,
+                                     turn=turn, new_tokens=len(toks[j]), seconds=run_s / len(live), compile_s=compile_s / len(live),
                                      rounds=len(acc[j]) if acc else None,
                                      tau=(sum(acc[j]) / len(acc[j])) if acc and acc[j] else None, tokens=toks[j]))
                 bar.update(len(live) if turn == 0 else 0)

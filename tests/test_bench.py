@@ -1,0 +1,54 @@
+"""infer.bench bookkeeping with stand-in runners (no model, no timing asserts)."""
+import json
+import types
+
+import eagle2_jax
+from infer import bench
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return " | ".join(m["content"] for m in messages)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 97 for c in text][:32]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+class FakeRunner:
+    """Plain and EAGLE-2 runners that produce the same tokens; every call reports 10 s of
+    compilation and 2 s of running for the whole batch."""
+
+    def __init__(self, name, target, draft, tree, args):
+        self.name = name
+
+    def __call__(self, prompts):
+        toks = [[len(p), 1, 2] for p in prompts]
+        acc = [[2, 1] for _ in prompts] if self.name == "eagle" else None
+        return toks, 2.0, 10.0, acc
+
+
+def test_batch_costs_are_counted_once_per_batch(tmp_path, monkeypatch):
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": "c%d" % (i % 2), "turns": [f"question {i}"]}) + "\n"
+                         for i in range(4)))
+    target = types.SimpleNamespace(tokenizer=FakeTokenizer())
+    monkeypatch.setattr(eagle2_jax, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(eagle2_jax, "load_draft", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "Ours", FakeRunner)
+    import infer.generate
+    monkeypatch.setattr(infer.generate, "tree_for", lambda *a: eagle2_jax.TreeConfig(2, 2, 4))
+    out = tmp_path / "out"
+    bench.main(["--questions", str(q), "--methods", "plain,eagle", "--batch", "2", "--out", str(out)])
+    s = json.load(open(out / "results.json"))["summary"]
+    for m in ("plain", "eagle"):
+        d = s["methods"][m]
+        assert d["new_tokens"] == 12  # 4 answers x 3 tokens
+        assert abs(d["seconds"] - 4.0) < 1e-9  # two batches of 2 s
+        assert abs(d["compile_s"] - 20.0) < 1e-9  # two batches of 10 s, not 10 s per answer
+    assert abs(s["methods"]["eagle"]["tau"] - 1.5) < 1e-9  # 12 tokens in 8 rounds
+    assert s["greedy_identical"] is True
+    assert abs(s["speedup_eagle_vs_plain"] - 1.0) < 1e-9
+    assert (out / "results.md").exists() and (out / "results.png").exists()
