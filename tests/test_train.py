@@ -196,3 +196,53 @@ def test_draft_vocab_training_exports_the_vocabulary(tiny_run):
     from eagle2_jax import load_target
     d = load_draft(str(root / "vexport"), load_target(tdir))
     np.testing.assert_array_equal(np.asarray(d.params["vocab_head"]["ids"]), ids)
+
+
+def test_rollout_matches_tree_drafting():
+    """Rollout step k at anchor j computes what the draft computes at depth k+1 of a tree branch:
+    the prefix pairs (t_{i+1}, f_i), i <= j, committed to the draft cache, then one node per
+    level fed the previous level's output and attending to the prefix and its ancestors."""
+    import jax.numpy as jnp
+
+    from eagle2_jax import init_draft
+    from eagle2_jax.cache import advance, init_cache
+    from eagle2_jax.draft import draft_apply
+    from eagle2_jax.layers import causal_mask
+    from eagle2_jax.model import target_embed
+    from train.loss import draft_rollout
+    t = init_target(tiny_config(), 0)
+    d = init_draft(t, 1)
+    B, T, R = 2, 10, 3
+    c = d.config
+    ids = jax.random.randint(jax.random.PRNGKey(1), (B, T), 0, c.vocab_size)
+    feats = jax.random.normal(jax.random.PRNGKey(2), (B, T, c.hidden_size))
+    embed = lambda x: target_embed(t.module, t.params, x)  # noqa: E731
+    preds = draft_rollout(d.params, d.module, embed, ids, feats, R)
+    assert len(preds) == R
+    for j in (0, 3, T - R - 1):
+        cache = init_cache(1, B, T + R, c.num_key_value_heads, c.head_dim, d.dtype)
+        n = j + 1
+        pos = jnp.broadcast_to(jnp.arange(n), (B, n))
+        h, cache = draft_apply(d.module, d.params, embed(ids[:, 1:n + 1]), feats[:, :n], pos, cache, causal_mask(B, n))
+        cache = advance(cache, jnp.full((B,), n))
+        x = h[:, -1]
+        np.testing.assert_allclose(np.asarray(preds[0][:, j]), np.asarray(x), atol=1e-5)
+        for level in range(R - 1):
+            tok = ids[:, j + 2 + level][:, None]
+            pos = jnp.full((B, 1), j + 1 + level)
+            hn, cache = draft_apply(d.module, d.params, embed(tok), x[:, None], pos, cache,
+                                    jnp.ones((B, 1, level + 1), bool), offset=level)
+            x = hn[:, 0]
+            np.testing.assert_allclose(np.asarray(preds[level + 1][:, j]), np.asarray(x), atol=1e-5,
+                                       err_msg=f"anchor {j}, step {level + 1}")
+
+
+def test_rollout_training_lowers_loss_and_logs_deeper_accuracy(tiny_run):
+    root, tdir, data = tiny_run
+    tdraft.main(_args(root, tdir, data, "rollout", 30, ["--rollout", "3", "--eval-every", "30"]))
+    log = _log(root, "rollout")
+    steps = [r for r in log if "loss" in r]
+    assert all("acc_1" in r and "acc_2" in r for r in steps)
+    assert np.mean([r["loss"] for r in steps[-5:]]) < 0.85 * np.mean([r["loss"] for r in steps[:3]])
+    evals = [r for r in log if "eval_acc" in r]
+    assert evals and "eval_acc_2" in evals[-1]

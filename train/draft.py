@@ -13,6 +13,10 @@ the draft will rank at inference (a V/V' cheaper LM head in every step); the lis
 to the exported head so `load_draft` applies it. Orbax checkpoints every `ckpt_every` steps and at exit (Ctrl-C / SIGTERM
 included); a restart resumes from the latest one with the same data order. At the end the head is
 exported in the EAGLE format (bf16 safetensors) and in ours.
+
+`rollout: R` (> 1) adds R-1 steps in which the head reads its own predicted features, as tree
+drafting does at depth 2..R, with loss weights `rollout_decay**k` (see train.loss.draft_loss);
+the log then also reports acc_k, the top-1 accuracy k steps into the draft's own rollout.
 """
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
                 weight_decay=0.0, clip_norm=0.5, noise=0.1, v_weight=1.0, p_weight=0.1,
                 heldout_examples=32, seed=0, mesh=None, log_every=10, ckpt_every=50, eval_every=200,
                 eval_tau_prompts=4, eval_tau_tokens=64, tree=dict(depth=5, top_k=10, total_tokens=60),
-                init_from=None, feature_cache=True, draft_vocab=None, feature_batch=8)
+                init_from=None, feature_cache=True, draft_vocab=None, feature_batch=8, rollout=1,
+                rollout_decay=0.8)
 
 
 def load_config(argv=None) -> dict:
@@ -145,7 +150,7 @@ def build_step(tmodule, dmodule, opt, cfg):
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
         grad_fn = jax.value_and_grad(draft_loss, has_aux=True)
         (_, metrics), grads = grad_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, key, cfg["noise"],
-                                      cfg["v_weight"], cfg["p_weight"], head)
+                                      cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"])
         updates, opt_state = opt.update(grads, opt_state, dparams)
         return optax.apply_updates(dparams, updates), opt_state, metrics
 
@@ -153,7 +158,7 @@ def build_step(tmodule, dmodule, opt, cfg):
         feats = target_features(tmodule, tparams, ids)
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
         _, metrics = draft_loss(dparams, dmodule, tmodule, tparams, ids, mask, feats, None, 0.0,
-                                cfg["v_weight"], cfg["p_weight"], head)
+                                cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"])
         return metrics
 
     return jax.jit(step, donate_argnums=(0, 1)), jax.jit(evaluate)
@@ -287,8 +292,9 @@ def main(argv=None):
                 em = [eval_fn(draft.params, target.params, *held.batch(i), vocab_dev)
                       for i in range(max(1, len(heldout) // held.B))]
                 acc = float(np.mean([float(e["acc"]) for e in em]))
+                deeper = {f"eval_{k}": float(np.mean([float(e[k]) for e in em])) for k in em[0] if k.startswith("acc_")}
                 tau = eval_tau(target, draft, heldout, cfg, vocab)
-                rec = dict(step=step, eval_acc=acc, eval_tau=tau, time=time.time())
+                rec = dict(step=step, eval_acc=acc, **deeper, eval_tau=tau, time=time.time())
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
                 tqdm.write(f"step {step}: held-out top-1 acc {acc:.3f}, tau {tau}")

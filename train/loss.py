@@ -36,37 +36,75 @@ def vocab_head(tmodule, tparams, ids_V):
 
 
 def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, noise_key, noise: float,
-               v_weight: float, p_weight: float, head_DV=None):
+               v_weight: float, p_weight: float, head_DV=None, rollout: int = 1, rollout_decay: float = 0.8):
     """Returns (loss, metrics). Gradients flow into dparams only.
 
     With `head_DV` (a `vocab_head` over the draft's vocabulary) the cross-entropy and accuracy
     are taken over those tokens only, as the draft ranks them at inference; the target's
     distribution is renormalised over them. Otherwise over the full vocabulary.
+
+    `rollout` > 1 also trains the head on its own outputs, as tree drafting uses it at depth
+    2, 3, ...: step k (0-based) at anchor j reads token t_{j+k+1} with the head's step-(k-1)
+    prediction as its feature (step 0 reads the target's feature f_j, with noise) and predicts
+    f_{j+k+1}. It attends to the step-0 keys of anchors <= j (the accepted prefix at inference)
+    and to its own earlier steps at anchor j (its branch of the tree); gradients flow through
+    the chain. Step k's loss weighs rollout_decay**k. Metrics vloss/ploss/acc are step 0's,
+    loss the weighted sum; acc_k (k >= 1) is step k's top-1 accuracy.
     """
     B, T = ids_BT.shape
-    c = dmodule.config
+    R = int(rollout)
+    if R < 1 or R >= T:
+        raise ValueError(f"rollout must be in [1, seq_len); got {rollout} with seq_len {T}")
     feats_BTD = feats_BTD.astype(jnp.float32)  # a disk cache keeps them in float16
     f_in = feats_BTD
     if noise > 0:
         f_in = f_in + jax.random.uniform(noise_key, f_in.shape, f_in.dtype, -noise, noise)
-    next_tok = jnp.concatenate([ids_BT[:, 1:], jnp.zeros((B, 1), ids_BT.dtype)], axis=1)
-    emb = jax.lax.stop_gradient(target_embed(tmodule, tparams, next_tok))
-    cache = init_cache(1, B, T, c.num_key_value_heads, c.head_dim, dmodule.dtype)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    pred, _ = draft_apply(dmodule, dparams, emb, f_in, pos, cache, causal_mask(B, T))
-    pred, tgt = pred[:, :-1], feats_BTD[:, 1:]
-    w = mask_BT[:, 1:].astype(jnp.float32)
-    n = jnp.maximum(w.sum(), 1.0)
-    vloss = (smooth_l1(pred.astype(jnp.float32), tgt.astype(jnp.float32)).mean(-1) * w).sum() / n
     if head_DV is None:
         head = lambda x: target_logits(tmodule, tparams, x)  # noqa: E731
     else:
         head = lambda x: jnp.einsum("...d,dv->...v", x, head_DV.astype(x.dtype),  # noqa: E731
                                     preferred_element_type=jnp.float32)
-    logp = jax.nn.log_softmax(head(pred), axis=-1)
-    t_logits = jax.lax.stop_gradient(head(tgt.astype(pred.dtype)))
+    tgt = feats_BTD[:, 1:]  # [B, T-1, D]: f_{j+1}
+    t_logits = jax.lax.stop_gradient(head(tgt.astype(dmodule.dtype)))  # the target's next-token logits
     t_p = jax.nn.softmax(t_logits, axis=-1)
-    ploss = (-(t_p * logp).sum(-1) * w).sum() / n
-    acc = ((jnp.argmax(logp, -1) == jnp.argmax(t_logits, -1)) * w).sum() / n
-    loss = v_weight * vloss + p_weight * ploss
-    return loss, {"loss": loss, "vloss": vloss, "ploss": ploss, "acc": acc, "tokens": w.sum()}
+    t_top = jnp.argmax(t_logits, -1)
+    embed = lambda ids: jax.lax.stop_gradient(target_embed(tmodule, tparams, ids))  # noqa: E731
+    loss, metrics = 0.0, {}
+    for k, pred in enumerate(draft_rollout(dparams, dmodule, embed, ids_BT, f_in, R)):
+        n_valid = T - 1 - k  # anchors j with j+k+1 < T
+        p = pred[:, :n_valid]
+        w = mask_BT[:, k + 1:].astype(jnp.float32)
+        n = jnp.maximum(w.sum(), 1.0)
+        vloss = (smooth_l1(p.astype(jnp.float32), tgt[:, k:]).mean(-1) * w).sum() / n
+        logp = jax.nn.log_softmax(head(p), axis=-1)
+        ploss = (-(t_p[:, k:] * logp).sum(-1) * w).sum() / n
+        acc = ((jnp.argmax(logp, -1) == t_top[:, k:]) * w).sum() / n
+        loss = loss + (rollout_decay ** k) * (v_weight * vloss + p_weight * ploss)
+        if k == 0:
+            metrics.update(vloss=vloss, ploss=ploss, acc=acc, tokens=w.sum())
+        else:
+            metrics[f"acc_{k}"] = acc
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def draft_rollout(dparams, dmodule, embed, ids_BT, feats_BTD, steps: int):
+    """The head's predictions over `steps` rollout steps: a list of [B, T, D].
+
+    Step k at anchor j reads (embed(t_{j+k+1}), x) at position j+k, x = feats[j] for k = 0 and
+    step k-1's output at j otherwise, and attends to the step-0 keys of anchors <= j and to steps
+    1..k at anchor j: what the draft computes at depth k+1 of a tree branch grown after accepting
+    t_{j+1} (tokens past the end read id 0 and are never scored).
+    """
+    B, T = ids_BT.shape
+    c = dmodule.config
+    cache = init_cache(1, B, steps * T, c.num_key_value_heads, c.head_dim, dmodule.dtype)
+    eye = jnp.broadcast_to(jnp.eye(T, dtype=bool), (B, T, T))
+    preds, x = [], feats_BTD
+    for k in range(steps):
+        ids = jnp.concatenate([ids_BT[:, k + 1:], jnp.zeros((B, k + 1), ids_BT.dtype)], axis=1)
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + k, (B, T))
+        local = jnp.concatenate([causal_mask(B, T)] + [eye] * k, axis=2)  # [B, T, (k+1) T]
+        x, cache = draft_apply(dmodule, dparams, embed(ids), x, pos, cache, local, offset=k * T)
+        preds.append(x)
+    return preds
