@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Measurements for the shipped SmolLM2-135M-Instruct head (issue notes / model card / README).
-# Each step writes under runs/bench/; rerunning skips steps whose results exist.
+# Each step writes under runs/bench/<version>/; rerunning skips steps whose results exist.
+# usage: bash scripts/measure_smollm2.sh [version]   (steps run in order of importance)
 set -u
 cd "$(dirname "$0")/.."
 H=eagle2_jax/heads/smollm2-135m-instruct
@@ -13,23 +14,25 @@ run() {  # name, then the command
   "$@" > "runs/bench/$name.log" 2>&1 && touch "runs/bench/$name.done"
   echo "   $(( $(date +%s) - t0 ))s"; tail -n 12 "runs/bench/$name.log"
 }
-B=runs/bench/v2
-run v2/roundcost python -m infer.roundcost --batch 1,4,16 --total-tokens 2,4,8,16,32 --repeats 2 --out $B/roundcost
-run v2/speed_mt_bench python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 20 --methods plain,eagle,hf \
-    --max-new-tokens 256 --out $B/speed_mt_bench
-run v2/speed_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 10 --methods plain,eagle \
-    --max-new-tokens 256 --temperature 1.0 --out $B/speed_mt_bench_t1
-# tree sizes: the round-cost choice for each batch (runs/bench/v2/roundcost/roundcost.md)
-run v2/batch4 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods plain,eagle --batch 4 \
-    --max-new-tokens 256 --total-tokens 8 --out $B/batch4
-run v2/batch16 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods plain,eagle --batch 16 \
-    --max-new-tokens 256 --total-tokens 2 --out $B/batch16
-# acceptance only (timing-independent): reference tree
-run v2/tau_mt_bench_t0 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 80 --methods eagle --batch 16 \
+V=${1:-v3}  # results go to runs/bench/$V (v2: the head of 240d81e, v3: the rollout-trained head)
+B=runs/bench/$V
+# acceptance (timing-independent): reference tree; all 80 MT-bench first turns first
+run $V/tau_mt_bench_t0 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 80 --methods eagle --batch 16 \
     --max-new-tokens 256 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_mt_bench_t0
+# speed at batch 1 (tree from the head's tree.json), against transformers
+run $V/speed_mt_bench python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 20 --methods plain,eagle,hf \
+    --max-new-tokens 256 --out $B/speed_mt_bench
 for q in humaneval gsm8k alpaca; do
-  run v2/tau_${q}_t0 python -m infer.bench --questions $EVAL/$q.jsonl --limit 16 --methods eagle --batch 16 \
+  run $V/tau_${q}_t0 python -m infer.bench --questions $EVAL/$q.jsonl --limit 16 --methods eagle --batch 16 \
       --max-new-tokens 256 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_${q}_t0
 done
-run v2/tau_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods eagle --batch 16 \
+run $V/tau_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods eagle --batch 16 \
     --max-new-tokens 256 --temperature 1.0 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_mt_bench_t1
+run $V/speed_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 10 --methods plain,eagle \
+    --max-new-tokens 256 --temperature 1.0 --out $B/speed_mt_bench_t1
+run $V/roundcost python -m infer.roundcost --batch 1,4,16 --total-tokens 2,4,8,16,32 --repeats 2 --out $B/roundcost
+# tree sizes: the round-cost choice for each batch ($B/roundcost/roundcost.md)
+run $V/batch4 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods plain,eagle --batch 4 \
+    --max-new-tokens 256 --total-tokens 8 --out $B/batch4
+run $V/batch16 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods plain,eagle --batch 16 \
+    --max-new-tokens 256 --total-tokens 2 --out $B/batch16
