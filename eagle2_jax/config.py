@@ -127,9 +127,16 @@ class TreeConfig:
         return self.top_k + self.depth * self.top_k * self.top_k
 
     @property
+    def passes(self) -> int:
+        """Draft passes that can matter: N - 1 kept nodes reach depth N - 1 at most (a node's score
+        never exceeds its parent's, so the kept set contains every kept node's ancestors), and pass
+        `level` makes nodes of depth level + 2. Later passes are skipped; the tree is the same."""
+        return max(0, min(self.depth, self.total_tokens - 2))
+
+    @property
     def max_accept(self) -> int:
-        """Most tokens one round can commit: root + depth+1 draft levels."""
-        return self.depth + 2
+        """Most tokens one round can commit: root + the draft levels that can be kept (passes + 1)."""
+        return self.passes + 2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,7 +120,7 @@ def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: Eagle
 def scratch_slots(tree: TreeConfig) -> int:
     """Cache slots needed past the committed length: the verified tree, the draft's tree nodes,
     the catch-up pairs."""
-    return max(tree.total_tokens, tree.top_k * tree.depth, tree.max_accept) + 1
+    return max(tree.total_tokens, tree.top_k * tree.passes, tree.max_accept) + 1
 
 
 def _loop(tparams, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, tmodule, dmodule,
@@ -148,12 +148,13 @@ LOOP, INIT, STEP = Program(_loop, _STATIC), Program(_init, _STATIC), Program(_st
 def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None, seed: int = 0,
              tree: TreeConfig = TreeConfig(), stream: Optional[Callable[[int, list], None]] = None,
-             timings: Optional[dict] = None) -> GenerateOutput:
+             timings: Optional[dict] = None, compile_only: bool = False) -> Optional[GenerateOutput]:
     """EAGLE-2 speculative decoding of token-id prompts; lossless with respect to the target.
 
     Returns `.tokens` (new tokens per prompt, EOS kept) and `.accept_lengths` (tokens added per
     round, bonus included; tau is their mean). With `stream`, rounds are stepped from the host.
-    With `timings` (a dict), records compile_s and run_s.
+    With `timings` (a dict), records compile_s and run_s. With `compile_only`, compiles the program
+    these prompts and settings need (cached for later calls), runs nothing and returns None.
     """
     if not isinstance(tree, TreeConfig):
         raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
@@ -171,7 +172,9 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
                   out_len=b.max_new + tree.max_accept, sampling=sampling, tree=tree, mesh=target.mesh)
     st = run(LOOP, INIT, STEP, args, static, (target.params, draft.params),
              dict(tmodule=target.module, dmodule=draft.module, sampling=sampling, tree=tree), b.num_rows,
-             stream, timings)
+             stream, timings, compile_only)
+    if compile_only:
+        return None
     out, n_out, acc, rounds = st.out_BM, st.n_out_B, st.accept_BR, st.rounds_B
     out, n_out, acc, rounds = map(np.asarray, (out, n_out, acc, rounds))
     rows = range(b.num_rows)

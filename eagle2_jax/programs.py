@@ -32,6 +32,10 @@ class Program:
         return len(self._compiled)
 
     def __call__(self, *args, timings: Optional[dict] = None, **static):
+        return self.compile(*args, timings=timings, **static)(*args)
+
+    def compile(self, *args, timings: Optional[dict] = None, **static):
+        """The compiled executable for these inputs (compiled once per key, then cached)."""
         leaves, treedef = jax.tree_util.tree_flatten(args)
         key = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
                               for x in leaves), tuple(sorted(static.items(), key=lambda kv: kv[0])))
@@ -42,16 +46,22 @@ class Program:
             self._compiled[key] = exe
             if timings is not None:
                 timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
-        return exe(*args)
+        return exe
 
 
 def run(loop: Program, init: Program, step: Program, args: tuple, static: dict, step_args: tuple,
-        step_static: dict, rows: int, stream=None, timings: Optional[dict] = None):
+        step_static: dict, rows: int, stream=None, timings: Optional[dict] = None, compile_only: bool = False):
     """Run a whole generation on device (`loop`), or step it from the host when streaming.
 
     `stream(row, tokens)` receives each row's new tokens as they are produced. Returns the final
-    state's outputs as produced by `loop` (or the final state when streaming).
+    state's outputs as produced by `loop` (or the final state when streaming). With compile_only,
+    compiles the loop for these inputs (cached for the next call) and returns None.
     """
+    if compile_only:
+        if stream is not None:
+            raise ValueError("compile_only compiles the on-device loop; it cannot be combined with stream")
+        loop.compile(*args, timings=timings, **static)
+        return None
     t0 = time.perf_counter()
     compile_before = (timings or {}).get("compile_s", 0.0)
     if stream is None:

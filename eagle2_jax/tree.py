@@ -66,7 +66,7 @@ def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCach
     Tree nodes' draft keys/values go to the draft cache's scratch slots length + level*K + j and
     are never committed. Returns (Pool, draft cache).
     """
-    K, D = tree.top_k, tree.depth
+    K, D = tree.top_k, tree.passes
     B, Dm = hidden_BD.shape
     score_BK, tok_BK = draft_topk(tmodule, tparams, dparams, hidden_BD, K)
     pool_tok, pool_score = [tok_BK], [score_BK]
@@ -118,7 +118,7 @@ def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:
     eye = jnp.eye(N, dtype=bool)
     anc = jnp.broadcast_to(eye, (B, N, N))
     gather_parent = jnp.maximum(parents, 0)
-    for _ in range(tree.depth + 1):  # the tree is at most depth+1 levels deep
+    for _ in range(tree.passes + 1):  # the tree is at most passes+1 levels deep
         up = _take_rows(anc, gather_parent) & (parents >= 0)[:, :, None]
         anc = eye[None] | up
     depths = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1

@@ -113,11 +113,12 @@ def _device_inputs(target: Target, b):
 def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None,
                      seed: int = 0, stream: Optional[Callable[[int, list], None]] = None,
-                     timings: Optional[dict] = None) -> GenerateOutput:
+                     timings: Optional[dict] = None, compile_only: bool = False) -> Optional[GenerateOutput]:
     """Plain decoding of a batch of token-id prompts; one compiled `lax.while_loop` on device.
 
     With `stream`, steps from the host instead and calls stream(row, new_tokens) as tokens come.
-    With `timings` (a dict), records compile_s and run_s.
+    With `timings` (a dict), records compile_s and run_s. With `compile_only`, compiles the program
+    these prompts and settings need (cached for later calls), runs nothing and returns None.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
     b = _prepare(target, prompts, max_new_tokens, slack=1)
@@ -127,7 +128,9 @@ def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperatur
     static = dict(module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=sampling,
                   mesh=target.mesh)
     st = run(LOOP, INIT, STEP, args, static, (target.params,), dict(module=target.module, sampling=sampling),
-             b.num_rows, stream, timings)
+             b.num_rows, stream, timings, compile_only)
+    if compile_only:
+        return None
     return _collect(st.out_BM, st.n_out_B, b.num_rows)
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .config import SamplingConfig
 from .layers import NEG_INF
-from .sampling import target_probs
+from .sampling import process_logits
 from .tree import Tree
 
 
@@ -33,35 +33,54 @@ def accept_greedy(tree: Tree, logits_BNV: jax.Array, max_len: int):
     return path_to(tree, best, max_len), n_acc, bonus
 
 
-def _walk_row(probs_NV, tokens_N, parents_N, key):
+def _walk_row(q_N, parents_N, skip_N, key):
     """Sampling acceptance for one row (nodes are level-major, siblings in draft-score order).
 
-    At the current node try its children in order: accept child x with probability p[x]/sum(p);
-    on rejection zero p[x]. Accepting moves to the child with its fresh target distribution.
-    The bonus is drawn from what remains of p at the final node.
+    At the current node try its children in order: accept child x with probability p[x]/sum(p),
+    where p is the node's target distribution with the already rejected siblings zeroed; on
+    rejection zero p[x]. Accepting moves to the child with its fresh target distribution.
+    Only scalars are carried: q_N[j] = p_parent(x_j) (fixed per node; sum(p) = 1 minus the mass
+    rejected so far at the current node). skip_N marks a repeated sibling token (its p[x] is
+    already zero: never accepted). Returns the final node.
     """
-    N = tokens_N.shape[0]
-    k_u, k_bonus = jax.random.split(key)
-    u = jax.random.uniform(k_u, (N,), jnp.float32)
+    N = q_N.shape[0]
+    u = jax.random.uniform(key, (N,), jnp.float32)
 
     def body(j, carry):
-        cur, p = carry
-        x = tokens_N[j]
-        mine = parents_N[j] == cur
-        px = p[x]
-        take = mine & (u[j] * jnp.sum(p) < px)
-        reject = mine & ~take
-        p = jnp.where(take, probs_NV[j], jnp.where(reject, p.at[x].set(0.0), p))
-        return jnp.where(take, j, cur), p
+        cur, removed = carry
+        mine = (parents_N[j] == cur) & ~skip_N[j]
+        take = mine & (u[j] * (1.0 - removed) < q_N[j])
+        removed = jnp.where(take, 0.0, jnp.where(mine, removed + q_N[j], removed))
+        return jnp.where(take, j, cur), removed
 
-    cur, p = jax.lax.fori_loop(1, N, body, (jnp.int32(0), probs_NV[0]))
-    bonus = jax.random.categorical(k_bonus, jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), NEG_INF))
-    return cur, bonus.astype(jnp.int32)
+    cur, _ = jax.lax.fori_loop(1, N, body, (jnp.int32(0), jnp.float32(0.0)))
+    return cur
+
+
+def _bonus_row(logits_V, tokens_N, parents_N, cur, key):
+    """The next token from the final node's processed logits minus its children (all rejected)."""
+    rejected = jnp.zeros(logits_V.shape, bool).at[tokens_N].max(parents_N == cur)
+    return jax.random.categorical(key, jnp.where(rejected, NEG_INF, logits_V)).astype(jnp.int32)
 
 
 def accept_sampling(tree: Tree, logits_BNV: jax.Array, keys_B: jax.Array, max_len: int,
                     sampling: SamplingConfig):
-    probs = target_probs(logits_BNV, sampling)
-    cur, bonus = jax.vmap(_walk_row)(probs, tree.tokens_BN, tree.parents_BN, keys_B)
+    """Lossless tree acceptance at temperature > 0 (recursive rejection over each node's children).
+
+    One pass over the [B, N, V] logits (processing + log-sum-exp); the walk itself is scalar."""
+    x = process_logits(logits_BNV, sampling)  # [B, N, V] float32, filtered entries NEG_INF
+    lse = jax.nn.logsumexp(x, axis=-1)  # [B, N]
+    N = tree.tokens_BN.shape[1]
+    par = jnp.maximum(tree.parents_BN, 0)
+    x_par = jax.vmap(lambda xb, a, t: xb[a, t])(x, par, tree.tokens_BN)  # [B, N]: parent's logit of x_j
+    q = jnp.exp(x_par - jnp.take_along_axis(lse, par, axis=1))  # p_parent(x_j)
+    earlier = jnp.tril(jnp.ones((N, N), bool), -1)[None]  # k < j
+    same = (tree.parents_BN[:, :, None] == tree.parents_BN[:, None, :]) & \
+        (tree.tokens_BN[:, :, None] == tree.tokens_BN[:, None, :])
+    skip = jnp.any(same & earlier, axis=-1)
+    k_walk, k_bonus = jnp.moveaxis(jax.vmap(jax.random.split)(keys_B), 1, 0)
+    cur = jax.vmap(_walk_row)(q, tree.parents_BN, skip, k_walk)
+    x_cur = jnp.take_along_axis(x, cur[:, None, None], axis=1)[:, 0]  # [B, V]
+    bonus = jax.vmap(_bonus_row)(x_cur, tree.tokens_BN, tree.parents_BN, cur, k_bonus)
     n_acc = jnp.take_along_axis(tree.depths_BN, cur[:, None], axis=1)[:, 0] + 1
     return path_to(tree, cur, max_len), n_acc, bonus

@@ -72,6 +72,17 @@ class Ours:
             out = generate(self.target, self.draft, prompts, tree=self.tree, **kw)
         return out.tokens, tm["run_s"], tm.get("compile_s", 0.0), out.accept_lengths
 
+    def warm(self, prompts):
+        """Compile for these prompts without generating (a warm-up run at temperature > 0 can take
+        minutes: nothing stops it before max_new_tokens)."""
+        from eagle2_jax import generate, generate_vanilla
+        kw = dict(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
+                  eos_token_id=self.target.config.eos_token_id, seed=self.args.seed, compile_only=True)
+        if self.draft is None:
+            generate_vanilla(self.target, prompts, **kw)
+        else:
+            generate(self.target, self.draft, prompts, tree=self.tree, **kw)
+
 
 class HF:
     def __init__(self, name, target, args, pld=False):
@@ -142,11 +153,11 @@ def main(argv=None):
                 runners[m] = HF(m, target, args, pld=(m == "hf-pld"))
             except ImportError:
                 print(f"skipping {m}: torch/transformers not installed", file=sys.stderr)
-    # warm-up: compile the buckets of a short prompt (reported, not timed)
+    # warm-up: compile the buckets of a short prompt (ours), or one short run (transformers); reported, not timed
     warm = {}
     for m, r in runners.items():
         t0 = time.perf_counter()
-        r([render(tok, [{"role": "user", "content": "Hello!"}])] * args.batch)
+        getattr(r, "warm", r)([render(tok, [{"role": "user", "content": "Hello!"}])] * args.batch)
         warm[m] = time.perf_counter() - t0
     rows = []
     groups = [questions[i:i + args.batch] for i in range(0, len(questions), args.batch)]

@@ -111,6 +111,21 @@ def test_one_compile_per_bucket(models):
     assert LOOP.num_compiled == n + 1
 
 
+def test_compile_only_compiles_what_the_run_uses(models, reference):
+    t, d = models["noisy_oracle"]
+    cfg = TreeConfig(2, 3, 7)
+    tm = {}
+    assert generate(t, d, PROMPTS, max_new_tokens=23, tree=cfg, timings=tm, compile_only=True) is None
+    assert tm["compile_s"] > 0 and "run_s" not in tm
+    n = LOOP.num_compiled
+    tm = {}
+    out = generate(t, d, PROMPTS, max_new_tokens=23, tree=cfg, timings=tm)
+    assert LOOP.num_compiled == n and "compile_s" not in tm  # nothing left to compile
+    assert out.tokens == reference["noisy_oracle"]
+    with pytest.raises(ValueError, match="stream"):
+        generate(t, d, PROMPTS, max_new_tokens=23, tree=cfg, stream=lambda r, x: None, compile_only=True)
+
+
 def test_bad_tree_configs():
     with pytest.raises(ValueError, match="exceeds the candidate pool"):
         TreeConfig(depth=1, top_k=2, total_tokens=8)

@@ -83,38 +83,26 @@ def test_sampling_matches_target_distribution(pair, tree, temperature, top_p):
     assert p > P_THRESHOLD, f"chi2={stat:.1f} on {k} dof, p={p:.2e}"
 
 
-def _always_accept(probs_NV, tokens_N, parents_N, key):
-    N = tokens_N.shape[0]
+def _always_accept(q_N, parents_N, skip_N, key):
+    """Accepts the first child at every node."""
+    N = q_N.shape[0]
 
-    def body(j, carry):
-        cur, p = carry
-        take = parents_N[j] == cur
-        return jnp.where(take, j, cur), jnp.where(take, probs_NV[j], p)
+    def body(j, cur):
+        return jnp.where(parents_N[j] == cur, j, cur)
 
-    cur, p = jax.lax.fori_loop(1, N, body, (jnp.int32(0), probs_NV[0]))
-    return cur, jax.random.categorical(key, jnp.log(jnp.maximum(p, 1e-38))).astype(jnp.int32)
+    return jax.lax.fori_loop(1, N, body, jnp.int32(0))
 
 
-def _no_residual(probs_NV, tokens_N, parents_N, key):
+def _no_residual(logits_V, tokens_N, parents_N, cur, key):
     """Accepts with the right probability but draws the bonus from p, not the residual."""
-    N = tokens_N.shape[0]
-    k_u, k_b = jax.random.split(key)
-    u = jax.random.uniform(k_u, (N,))
-
-    def body(j, carry):
-        cur, p, stop = carry
-        mine = (parents_N[j] == cur) & ~stop
-        take = mine & (u[j] < p[tokens_N[j]])
-        return jnp.where(take, j, cur), jnp.where(take, probs_NV[j], p), stop
-
-    cur, p, _ = jax.lax.fori_loop(1, N, body, (jnp.int32(0), probs_NV[0], False))
-    return cur, jax.random.categorical(k_b, jnp.log(jnp.maximum(p, 1e-38))).astype(jnp.int32)
+    return jax.random.categorical(key, logits_V).astype(jnp.int32)
 
 
-@pytest.mark.parametrize("broken", [_always_accept, _no_residual], ids=["always_accept", "no_residual"])
-def test_wrong_acceptance_rule_is_caught(pair, monkeypatch, broken):
+@pytest.mark.parametrize("name,broken", [("_walk_row", _always_accept), ("_bonus_row", _no_residual)],
+                         ids=["always_accept", "no_residual"])
+def test_wrong_acceptance_rule_is_caught(pair, monkeypatch, name, broken):
     t, d = pair
-    monkeypatch.setattr(verify_mod, "_walk_row", broken)
+    monkeypatch.setattr(verify_mod, name, broken)
     jax.clear_caches()
     clear_all()  # our AOT cache too, or the correct rule would still run
     try:
@@ -126,3 +114,52 @@ def test_wrong_acceptance_rule_is_caught(pair, monkeypatch, broken):
         jax.clear_caches()
         clear_all()
     assert p < P_THRESHOLD, f"broken rule passed: chi2={stat:.1f} on {k} dof, p={p:.2e}"
+
+
+def _reference_accept(probs_NV, tokens_N, parents_N, key):
+    """The rule written out directly: carry the current node's distribution and zero each
+    rejected sibling in it (what accept_sampling computes with scalars only)."""
+    N = tokens_N.shape[0]
+    k_u, k_bonus = jax.random.split(key)
+    u = jax.random.uniform(k_u, (N,), jnp.float32)
+
+    def body(j, carry):
+        cur, p = carry
+        x = tokens_N[j]
+        mine = parents_N[j] == cur
+        take = mine & (u[j] * jnp.sum(p) < p[x])
+        reject = mine & ~take
+        return jnp.where(take, j, cur), jnp.where(take, probs_NV[j], jnp.where(reject, p.at[x].set(0.0), p))
+
+    cur, p = jax.lax.fori_loop(1, N, body, (jnp.int32(0), probs_NV[0]))
+    bonus = jax.random.categorical(k_bonus, jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -1e30))
+    return cur, bonus.astype(jnp.int32)
+
+
+def test_scalar_walk_equals_reference_rule():
+    """Same keys, same decisions: random trees (with repeated sibling tokens) over a small vocabulary."""
+    from eagle2_jax.tree import Tree
+    rng = np.random.default_rng(0)
+    B, N, V = 2048, 12, 6
+    parents = np.full((B, N), -1, np.int32)
+    for j in range(1, N):
+        parents[:, j] = rng.integers(0, j, B)  # any earlier node: level-major order not needed here
+    tokens = rng.integers(0, V, (B, N)).astype(np.int32)  # repeats among siblings happen often
+    anc = np.zeros((B, N, N), bool)
+    depth = np.zeros((B, N), np.int32)
+    for j in range(N):
+        anc[:, j, j] = True
+        for b in range(B):
+            if parents[b, j] >= 0:
+                anc[b, j] |= anc[b, parents[b, j]]
+                depth[b, j] = depth[b, parents[b, j]] + 1
+    tree = Tree(jnp.asarray(tokens), jnp.asarray(parents), jnp.asarray(anc), jnp.asarray(depth))
+    logits = jnp.asarray(rng.standard_normal((B, N, V)) * 2.0, jnp.float32)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(7), i))(jnp.arange(B))
+    s = SamplingConfig(1.0, 0, 1.0)
+    _, n_acc, bonus = verify_mod.accept_sampling(tree, logits, keys, N, s)
+    ref_cur, ref_bonus = jax.vmap(_reference_accept)(target_probs(logits, s), tree.tokens_BN, tree.parents_BN, keys)
+    ref_n = np.take_along_axis(depth, np.asarray(ref_cur)[:, None], 1)[:, 0] + 1
+    agree = (np.asarray(n_acc) == ref_n) & (np.asarray(bonus) == np.asarray(ref_bonus))
+    assert np.asarray(n_acc).max() > 2 and (np.asarray(n_acc) == 1).any()  # the cases are not trivial
+    assert agree.mean() > 0.999, f"{(~agree).sum()} of {B} rows differ from the reference rule"

@@ -108,3 +108,33 @@ def test_greedy_accept_walks_a_valid_path(seed):
         # no child of the last node matches: the path is maximal
         kids = [c for c in range(1, N) if par[b, c] == last]
         assert all(tok[b, c] != g[b, last] for c in kids)
+
+
+def test_skipped_draft_passes_leave_the_tree_unchanged():
+    """With N - 2 < depth the later draft passes cannot contribute a kept node: expanding only
+    TreeConfig.passes levels gives the tree that the full-depth pool gives."""
+    from eagle2_jax.cache import init_cache
+    from eagle2_jax.tree import expand
+    from helpers import tiny_pair
+    t, d = tiny_pair(3)
+    d.params = jax.tree_util.tree_map(lambda x: x * 3.0, d.params)  # peaked: deep branches score high
+    c = d.module.config
+    B, D, K = 4, 5, 3
+    dcache = init_cache(1, B, 64, c.num_key_value_heads, c.head_dim, d.module.dtype)
+    dcache = dcache.replace(length=jnp.asarray([3, 5, 7, 9], jnp.int32))
+    hidden = jax.random.normal(jax.random.PRNGKey(0), (B, c.hidden_size))
+    roots = jnp.asarray([1, 2, 3, 4], jnp.int32)
+    full_cfg = TreeConfig(D, K, 1 + K + D * K * K)
+    full_pool, _ = expand(t.module, t.params, d.module, d.params, dcache, hidden, full_cfg)
+    deepest = 0
+    for N in (1, 2, 3, 4, 5, 6):
+        cfg = TreeConfig(D, K, N)
+        assert cfg.passes == max(0, min(D, N - 2))
+        pool, _ = expand(t.module, t.params, d.module, d.params, dcache, hidden, cfg)
+        assert pool.tokens_BP.shape[1] == K + cfg.passes * K * K
+        short, ref = rerank(pool, roots, cfg), rerank(full_pool, roots, cfg)
+        for a, b in zip((short.tokens_BN, short.parents_BN, short.depths_BN, short.ancestors_BNN),
+                        (ref.tokens_BN, ref.parents_BN, ref.depths_BN, ref.ancestors_BNN)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        deepest = max(deepest, int(ref.depths_BN.max()))
+    assert deepest >= 4  # some row keeps a chain as deep as N allows: the check is not vacuous

@@ -182,18 +182,23 @@ def main(argv=None):
     prompts = load_prompts(files, eval_prompts(args.shared_data))
     target = load_target(args.target, dtype=args.dtype)
     tok = target.tokenizer
-    rendered = []
+    rendered, usable = [], 0
     for p in prompts:
         ids = render_prompt(tok, p)
-        if len(ids) <= args.max_prompt_tokens:
+        if len(ids) > args.max_prompt_tokens:
+            continue
+        usable += 1
+        if usable > args.skip:
             rendered.append(ids)
         if len(rendered) >= args.max_prompts:
             break
+    if not rendered:
+        sys.exit(f"error: no usable prompts left after --skip {args.skip} ({usable} usable in {len(files)} files)")
     os.makedirs(args.out, exist_ok=True)
     shards = [rendered[i:i + args.shard_size] for i in range(0, len(rendered), args.shard_size)]
     with open(os.path.join(args.out, "meta.json"), "w") as f:
         json.dump({"target": args.target, "prompts": len(rendered), "shards": len(shards),
-                   "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                   "skip": args.skip, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                    "files": [os.path.relpath(x, args.shared_data) for x in files]}, f, indent=2)
     eos = target.config.eos_token_id
     todo = [i for i in range(len(shards)) if not os.path.exists(os.path.join(args.out, f"shard_{i:05d}.npz"))]
