@@ -34,6 +34,8 @@ def parse(argv=None):
     ap.add_argument("--questions", default=None,
                     help="EAGLE/MT-bench jsonl whose first turns are the prompts (default: shared MT-bench)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=256,
+                    help="size the caches for generations of this length (attention reads the whole padded cache)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
@@ -95,15 +97,15 @@ def _parts():
             jax.jit(accept, static_argnames=("tm", "dm", "tree")), jax.jit(round_, static_argnames=("tm", "dm", "tree")))
 
 
-def _plain_step_ms(target, prompts, repeats):
+def _plain_step_ms(target, prompts, repeats, max_new=256):
     import jax.numpy as jnp
     from eagle2_jax.config import SamplingConfig
     from eagle2_jax.vanilla import INIT, STEP, _device_inputs, _prepare
     from eagle2_jax.batching import eos_value
     s = SamplingConfig()
-    b = _prepare(target, prompts, 64, slack=1)
+    b = _prepare(target, prompts, max_new, slack=1)
     prompt, plen, active = _device_inputs(target, b)
-    st = INIT(target.params, prompt, plen, active, jnp.int32(64), jnp.int32(eos_value(None)), jnp.uint32(0),
+    st = INIT(target.params, prompt, plen, active, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0),
               module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=s, mesh=None)
     return _best(lambda: STEP(target.params, st, module=target.module, sampling=s), repeats)
 
@@ -120,9 +122,10 @@ def load_prompts(target, path, n):
     return [render(target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in qs]
 
 
-def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int):
+def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int, max_new: int = 256):
     """Rows: dict(batch, depth, top_k, total_tokens, draft_ms, verify_ms, accept_ms, round_ms, expected_tau,
-    tokens_per_s) plus the plain step time for this batch."""
+    tokens_per_s) plus the plain step time for this batch. Caches are sized for max_new new tokens, as a
+    generation of that length sizes them (attention runs over the whole padded cache)."""
     import numpy as np
     import jax.numpy as jnp
     from eagle2_jax.autotune import POOL
@@ -135,17 +138,17 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int)
     sizes = sorted({min(n, pool_size + 1) for n in sizes})
     big = TreeConfig(depth, top_k, sizes[-1])
     s = SamplingConfig()
-    b = prepare_batch(prompts, 64, vocab_size=target.config.vocab_size,
+    b = prepare_batch(prompts, max_new, vocab_size=target.config.vocab_size,
                       max_positions=target.config.max_position_embeddings, slack=scratch_slots(big))
     prompt, plen, active = _device_inputs(target, b)
     tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
-    st = INIT(tp, dp, prompt, plen, active, jnp.int32(64), jnp.int32(eos_value(None)), jnp.uint32(0), tmodule=tm,
+    st = INIT(tp, dp, prompt, plen, active, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0), tmodule=tm,
               dmodule=dm, cache_len=b.cache_len, out_len=b.max_new + big.max_accept, sampling=s, tree=big, mesh=None)
     for _ in range(4):  # a few real rounds first: mid-generation state
         st = STEP(tp, dp, st, tmodule=tm, dmodule=dm, sampling=s, tree=big)
     scores = np.exp(np.asarray(POOL(tp, dp, st, tree=big, tmodule=tm, dmodule=dm)).astype(np.float64))
     p_draft, p_verify, p_accept, p_round = _parts()
-    plain = _plain_step_ms(target, prompts, repeats)
+    plain = _plain_step_ms(target, prompts, repeats, max_new)
     rows = []
     for n in sizes:
         tree = TreeConfig(depth, top_k, n)
@@ -214,7 +217,7 @@ def main(argv=None):
     rows = []
     for bsz in tqdm([int(x) for x in args.batch.split(",")], desc="batch sizes", unit="batch"):
         prompts = load_prompts(target, args.questions, bsz)
-        rows += measure(target, draft, prompts, args.depth, args.top_k, sizes, args.repeats)
+        rows += measure(target, draft, prompts, args.depth, args.top_k, sizes, args.repeats, args.max_new_tokens)
         write(rows, args.out)
     print("\n".join(write(rows, args.out)))
     print(f"wrote {args.out}/roundcost.json, roundcost.md, roundcost.png")
