@@ -61,27 +61,23 @@ class Ours:
     def __init__(self, name, target, draft, tree, args):
         self.name, self.target, self.draft, self.tree, self.args = name, target, draft, tree, args
 
-    def __call__(self, prompts):
+    def _generate(self, prompts, **extra):
         from eagle2_jax import generate, generate_vanilla
-        tm = {}
         kw = dict(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
-                  eos_token_id=self.target.config.eos_token_id, seed=self.args.seed, timings=tm)
+                  eos_token_id=self.target.config.eos_token_id, seed=self.args.seed, **extra)
         if self.draft is None:
-            out = generate_vanilla(self.target, prompts, **kw)
-        else:
-            out = generate(self.target, self.draft, prompts, tree=self.tree, **kw)
+            return generate_vanilla(self.target, prompts, **kw)
+        return generate(self.target, self.draft, prompts, tree=self.tree, **kw)
+
+    def __call__(self, prompts):
+        tm = {}
+        out = self._generate(prompts, timings=tm)
         return out.tokens, tm["run_s"], tm.get("compile_s", 0.0), out.accept_lengths
 
     def warm(self, prompts):
         """Compile for these prompts without generating (a warm-up run at temperature > 0 can take
         minutes: nothing stops it before max_new_tokens)."""
-        from eagle2_jax import generate, generate_vanilla
-        kw = dict(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
-                  eos_token_id=self.target.config.eos_token_id, seed=self.args.seed, compile_only=True)
-        if self.draft is None:
-            generate_vanilla(self.target, prompts, **kw)
-        else:
-            generate(self.target, self.draft, prompts, tree=self.tree, **kw)
+        self._generate(prompts, compile_only=True)
 
 
 class HF:
