@@ -103,7 +103,8 @@ class TreeConfig:
     """Static shape of one EAGLE-2 draft tree.
 
     depth: draft passes after the root's children (reference `depth`); the tree has depth+1
-      draft levels, so at most depth+2 tokens are added per round (bonus included).
+      draft levels, so at most depth+2 tokens are added per round (bonus included). Only
+      `passes` = min(depth, total_tokens - 2) of them run: deeper levels cannot hold a kept node.
     top_k: children kept per node and frontier width (reference `top_k`).
     total_tokens: tokens verified per round, root included (N).
     """
