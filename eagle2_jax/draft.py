@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .cache import KVCache, init_cache
+from . import cpu_kernels as few_rows
 from .config import ModelConfig
 from .layers import DecoderLayer, split_masks
 from .model import Target, resolve_dtype
@@ -23,6 +24,7 @@ class EagleDraft(nn.Module):
     config: ModelConfig  # the draft's own config (num_hidden_layers == 1)
     bias: bool = True
     dtype: Any = jnp.float32
+    few_row_kernels: bool = False  # see eagle2_jax.cpu_kernels
 
     @nn.compact
     def __call__(self, embeds_BTD, features_BTD, positions_BT, cache: KVCache, local_mask_BTU,
@@ -31,9 +33,11 @@ class EagleDraft(nn.Module):
         written at length+offset; masks as in `Llama.__call__`)."""
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = nn.Dense(self.config.hidden_size, use_bias=self.bias, dtype=self.dtype,
-                     param_dtype=self.dtype, name="fc")(x)
+                     param_dtype=self.dtype, name="fc",
+                     dot_general=few_rows.dot_general if self.few_row_kernels else None)(x)
         masks = split_masks(cache.length, local_mask_BTU, offset, cache.max_len)
-        h, (k, v) = DecoderLayer(self.config, self.dtype, input_norm=False, name="layers_0")(
+        h, (k, v) = DecoderLayer(self.config, self.dtype, input_norm=False,
+                                   few_row_kernels=self.few_row_kernels, name="layers_0")(
             x, positions_BT, cache.k[0], cache.v[0], cache.length + offset, masks)
         return h, cache.replace(k=(k,), v=(v,))
 
@@ -48,7 +52,7 @@ class Draft:
 
     @property
     def module(self) -> EagleDraft:
-        return EagleDraft(self.config, self.bias, self.dtype)
+        return EagleDraft(self.config, self.bias, self.dtype, few_rows.use_for(self.params))
 
 
 def draft_config_for(target_config: ModelConfig, **overrides) -> ModelConfig:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import cpu_kernels as few_rows
 from .config import ModelConfig
 
 NEG_INF = -1e30  # large finite negative for masked scores (float32)
@@ -152,6 +153,7 @@ def split_masks(length_B, local_mask_BTU, offset: int, S: int):
 class Attention(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
+    few_row_kernels: bool = False  # see eagle2_jax.cpu_kernels
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, masks):
@@ -159,8 +161,9 @@ class Attention(nn.Module):
 
         Returns (out [B,T,D], (cache_k, cache_v) with this call's keys/values written)."""
         c = self.config
+        dot_general = few_rows.dot_general if self.few_row_kernels else None
         dense = lambda feats, name, bias: nn.DenseGeneral(  # noqa: E731
-            feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+            feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name, dot_general=dot_general)
         q = dense((c.num_attention_heads, c.head_dim), "q", c.attention_bias)(x_BTD)
         k = dense((c.num_key_value_heads, c.head_dim), "k", c.attention_bias)(x_BTD)
         v = dense((c.num_key_value_heads, c.head_dim), "v", c.attention_bias)(x_BTD)
@@ -175,19 +178,21 @@ class Attention(nn.Module):
         cache_v = write_rows(cache_v, vc + dep, write_at_B)
         out = out.astype(self.dtype)
         out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
-                              param_dtype=self.dtype, name="o")(out)
+                              param_dtype=self.dtype, name="o", dot_general=dot_general)(out)
         return out, (cache_k, cache_v)
 
 
 class MLP(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
+    few_row_kernels: bool = False
 
     @nn.compact
     def __call__(self, x):
         c = self.config
         dense = lambda feats, name: nn.Dense(  # noqa: E731
-            feats, use_bias=c.mlp_bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+            feats, use_bias=c.mlp_bias, dtype=self.dtype, param_dtype=self.dtype, name=name,
+            dot_general=few_rows.dot_general if self.few_row_kernels else None)
         h = nn.silu(dense(c.intermediate_size, "gate")(x)) * dense(c.intermediate_size, "up")(x)
         return dense(c.hidden_size, "down")(h)
 
@@ -198,14 +203,16 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     input_norm: bool = True
+    few_row_kernels: bool = False
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, masks):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x_BTD) if self.input_norm else x_BTD
-        a, kv = Attention(c, self.dtype, name="attn")(h, positions_BT, cache_k, cache_v, write_at_B, masks)
+        kern = self.few_row_kernels
+        a, kv = Attention(c, self.dtype, kern, name="attn")(h, positions_BT, cache_k, cache_v, write_at_B, masks)
         x = x_BTD + a
-        x = x + MLP(c, self.dtype, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x))
+        x = x + MLP(c, self.dtype, kern, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x))
         return x, kv
 
 

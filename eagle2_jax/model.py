@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from . import cpu_kernels as few_rows
 from .cache import KVCache, init_cache
 from .config import ModelConfig
 from .layers import DecoderLayer, RMSNorm, causal_mask, split_masks
@@ -33,12 +34,14 @@ def resolve_dtype(dtype) -> Any:
 class Llama(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
+    few_row_kernels: bool = False  # few-row matmul kernels for XLA:CPU (eagle2_jax.cpu_kernels)
 
     def setup(self):
         c = self.config
         init = nn.initializers.normal(0.02)
         self.embed = self.param("embed", init, (c.vocab_size, c.hidden_size), self.dtype)
-        self.layers = [DecoderLayer(c, self.dtype, name=f"layers_{i}")
+        self.layers = [DecoderLayer(c, self.dtype, few_row_kernels=self.few_row_kernels,
+                                    name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
@@ -49,6 +52,11 @@ class Llama(nn.Module):
 
     def logits(self, features_BTD):
         """LM head, accumulated and returned in float32."""
+        if self.few_row_kernels:
+            last = features_BTD.ndim - 1
+            w, dims = (self.embed, (1,)) if self.config.tie_word_embeddings else (self.lm_head, (0,))
+            return few_rows.dot_general(features_BTD, w, (((last,), dims), ((), ())),
+                                        preferred_element_type=jnp.float32)
         if self.config.tie_word_embeddings:
             return jnp.einsum("...d,vd->...v", features_BTD, self.embed,
                               preferred_element_type=jnp.float32)
@@ -94,7 +102,7 @@ class Target:
 
     @property
     def module(self) -> Llama:
-        return Llama(self.config, self.dtype)
+        return Llama(self.config, self.dtype, few_rows.use_for(self.params))
 
     @property
     def num_params(self) -> int:

@@ -1,0 +1,235 @@
+// Few-row float32 matmul for XLA:CPU, registered as an XLA FFI custom call.
+//
+// Speculative decoding on a CPU verifies a handful of token rows per step.
+// XLA:CPU's dot runs 1 row as a memory-bound matrix-vector product but 2-16
+// rows through a general GEMM that costs nearly twice as much per weight
+// byte.  These kernels stream each weight exactly once for up to kMaxRows
+// rows, so checking a small tree costs about as much as decoding one token.
+//
+// Every output element is summed in the same order whatever the number of
+// rows, so a row's result does not depend on what else is in the batch.
+//
+//   y[M, N] = x[M, K] @ w[K, N]      ("nn": a Dense kernel, [in, out])
+//   y[M, N] = x[M, K] @ w[N, K]^T    ("nt": a tied embedding as LM head)
+//
+// Work is split over column blocks and shared with XLA's intra-op thread
+// pool; the calling thread takes blocks too, so the call finishes even when
+// no pool thread is free.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;  // floats per vector
+constexpr int kMaxRows = 8;    // rows per pass over the weights (nn)
+constexpr int kMaxRowsNT = 4;  // rows per pass over the weights (nt)
+constexpr int kKB = 16;        // k per pass over the nn accumulators
+constexpr int kBlocksPerThread = 1;
+typedef float vec __attribute__((vector_size(64)));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
+inline vec splat(float s) { return vec{} + s; }
+
+// nn: columns [c0, c1) of y for rows [0, R), R <= kMaxRows.  Accumulates
+// over k in ascending order, four k at a time (a fixed association).
+template <int R>
+void nn_cols(const float* x, const float* w, float* y, int64_t K, int64_t N,
+             int64_t c0, int64_t c1) {
+  const int64_t vend = c0 + (c1 - c0) / kLanes * kLanes;
+  for (int r = 0; r < R; ++r) std::memset(y + r * N + c0, 0, (c1 - c0) * sizeof(float));
+  int64_t k = 0;
+  for (; k + kKB <= K; k += kKB) {
+    vec xb[R][kKB];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kKB; ++i) xb[r][i] = splat(x[r * K + k + i]);
+    const float* w0 = w + k * N;
+    for (int64_t c = c0; c < vend; c += kLanes) {
+      vec a[kKB];
+      for (int i = 0; i < kKB; ++i) a[i] = load(w0 + i * N + c);
+      for (int r = 0; r < R; ++r) {
+        vec acc = load(y + r * N + c);
+        for (int i = 0; i < kKB; ++i) acc += xb[r][i] * a[i];
+        store(y + r * N + c, acc);
+      }
+    }
+    for (int64_t c = vend; c < c1; ++c)
+      for (int r = 0; r < R; ++r) {
+        float acc = y[r * N + c];
+        for (int i = 0; i < kKB; ++i) acc += x[r * K + k + i] * w0[i * N + c];
+        y[r * N + c] = acc;
+      }
+  }
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = c0; c < c1; ++c) y[r * N + c] += x[r * K + k] * w[k * N + c];
+}
+
+inline float hsum(vec v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// nt: columns [c0, c1) of y for rows [0, R), w rows are contiguous over K.
+// Four weight rows at a time; lane-wise partial sums over k, then a fixed
+// horizontal sum, then the scalar tail of K.
+template <int R>
+void nt_cols(const float* x, const float* w, float* y, int64_t K, int64_t N,
+             int64_t c0, int64_t c1) {
+  const int64_t kv = K / kLanes * kLanes;
+  int64_t c = c0;
+  for (; c + 4 <= c1; c += 4) {
+    vec acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = vec{};
+    const float* wr = w + c * K;
+    for (int64_t k = 0; k < kv; k += kLanes) {
+      const vec b0 = load(wr + k), b1 = load(wr + K + k), b2 = load(wr + 2 * K + k),
+                b3 = load(wr + 3 * K + k);
+      for (int r = 0; r < R; ++r) {
+        const vec xr = load(x + r * K + k);
+        acc[r][0] += xr * b0;
+        acc[r][1] += xr * b1;
+        acc[r][2] += xr * b2;
+        acc[r][3] += xr * b3;
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) {
+        float s = hsum(acc[r][j]);
+        for (int64_t k = kv; k < K; ++k) s += x[r * K + k] * wr[j * K + k];
+        y[r * N + c + j] = s;
+      }
+  }
+  for (; c < c1; ++c)
+    for (int r = 0; r < R; ++r) {
+      vec acc = vec{};
+      for (int64_t k = 0; k < kv; k += kLanes) acc += load(x + r * K + k) * load(w + c * K + k);
+      float s = hsum(acc);
+      for (int64_t k = kv; k < K; ++k) s += x[r * K + k] * w[c * K + k];
+      y[r * N + c] = s;
+    }
+}
+
+using ColsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+
+template <int R>
+struct NN {
+  static constexpr ColsFn fn = nn_cols<R>;
+  static constexpr int max_rows = kMaxRows;
+};
+template <int R>
+struct NT {
+  static constexpr ColsFn fn = nt_cols<R < 4 ? R : 4>;
+  static constexpr int max_rows = kMaxRowsNT;
+};
+
+template <template <int> class Kernel>
+ColsFn pick(int rows) {
+  switch (rows) {
+    case 1: return Kernel<1>::fn;
+    case 2: return Kernel<2>::fn;
+    case 3: return Kernel<3>::fn;
+    case 4: return Kernel<4>::fn;
+  }
+  switch (rows) {
+    case 5: return Kernel<5>::fn;
+    case 6: return Kernel<6>::fn;
+    case 7: return Kernel<7>::fn;
+    default: return Kernel<8>::fn;
+  }
+}
+
+// Shared by the caller and the pool tasks; outlives the call if a task
+// starts late (it then finds no block left and only drops its reference).
+struct Job {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N, block;
+  bool nt;
+  int64_t num_blocks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run_block(int64_t b) {
+    const int64_t c0 = b * block, c1 = std::min(N, c0 + block);
+    const int max_rows = nt ? kMaxRowsNT : kMaxRows;
+    for (int64_t r0 = 0; r0 < M; r0 += max_rows) {
+      const int rows = static_cast<int>(std::min<int64_t>(max_rows, M - r0));
+      ColsFn fn = nt ? pick<NT>(rows) : pick<NN>(rows);
+      fn(x + r0 * K, w, y + r0 * N, K, N, c0, c1);
+    }
+  }
+  void work() {
+    for (int64_t b; (b = next.fetch_add(1)) < num_blocks;) {
+      run_block(b);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
+                        bool transpose_w) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (wd.size() != 2 || xd.size() < 1)
+    return ffi::Error::InvalidArgument("few_row_matmul: w must be 2-D and x at least 1-D");
+  const int64_t K = xd.back();
+  const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  const int64_t N = transpose_w ? wd[0] : wd[1];
+  if ((transpose_w ? wd[1] : wd[0]) != K)
+    return ffi::Error::InvalidArgument("few_row_matmul: contraction sizes differ");
+  if (static_cast<int64_t>(y->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("few_row_matmul: output size is not M x N");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+
+  auto job = std::make_shared<Job>();
+  job->x = x.typed_data();
+  job->w = w.typed_data();
+  job->y = y->typed_data();
+  job->M = M;
+  job->K = K;
+  job->N = N;
+  job->nt = transpose_w;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Several blocks per thread (late helpers still get a share), whole vectors (nn) or groups of 4 rows (nt).
+  const int64_t unit = transpose_w ? 4 : kLanes;
+  const int64_t units = (N + unit - 1) / unit;
+  const int64_t want = std::min<int64_t>(units, kBlocksPerThread * threads);
+  job->block = (units + want - 1) / want * unit;
+  job->num_blocks = (N + job->block - 1) / job->block;
+  const int64_t helpers = std::min<int64_t>(threads, job->num_blocks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < job->num_blocks) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_few_row_matmul, FewRowMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("transpose_w"));

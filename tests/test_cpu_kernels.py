@@ -1,0 +1,97 @@
+"""The few-row CPU matmul custom call: values, row independence, dispatch and its off switch."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle2_jax import cpu_kernels as few_rows
+from eagle2_jax import ModelConfig, init_target
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not few_rows.load(),
+                                reason="few-row kernel is for XLA:CPU and needs a C++ compiler")
+
+# Odd sizes on purpose: K not a multiple of 4 or 16, N not a multiple of 16 or 4.
+SHAPES = [(1, 576, 1536), (3, 37, 70), (8, 48, 33), (9, 19, 5), (13, 64, 200), (2, 1, 7)]
+
+
+def _ref(x, w, transpose_w):
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    return x64 @ (w64.T if transpose_w else w64)
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_matmul_matches_float64_reference(M, K, N, transpose_w):
+    rng = np.random.default_rng(M * 1000 + K + N)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K) if transpose_w else (K, N)).astype(np.float32)
+    y = np.asarray(jax.jit(few_rows.matmul, static_argnums=2)(jnp.asarray(x), jnp.asarray(w), transpose_w))
+    assert y.shape == (M, N)
+    np.testing.assert_allclose(y, _ref(x, w, transpose_w), rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_a_row_is_bit_identical_whatever_the_other_rows(transpose_w):
+    """The property lossless verification leans on: a tree row equals the same row decoded alone."""
+    rng = np.random.default_rng(1)
+    K, N = 576, 300
+    w = jnp.asarray(rng.standard_normal((N, K) if transpose_w else (K, N)).astype(np.float32))
+    x = rng.standard_normal((11, K)).astype(np.float32)
+    f = jax.jit(few_rows.matmul, static_argnums=2)
+    alone = np.asarray(f(jnp.asarray(x[4:5]), w, transpose_w))[0]
+    for m in (2, 5, 8, 11):
+        rows = np.asarray(f(jnp.asarray(x[:m] if m > 4 else x[3:3 + m]), w, transpose_w))
+        got = rows[4] if m > 4 else rows[1]
+        assert np.array_equal(got, alone), f"row differs in a batch of {m}"
+
+
+def _uses_kernel(fn, *args) -> bool:
+    return few_rows.TARGET in jax.jit(fn).lower(*args).as_text()
+
+
+def test_dot_general_dispatch_and_fallback():
+    x8 = jnp.ones((2, 4, 96), jnp.float32)  # 8 rows
+    w = jnp.ones((96, 3, 32), jnp.float32)  # DenseGeneral kernel [in, heads, head_dim]
+    dims = (((2,), (0,)), ((), ()))
+    f = lambda a, b: few_rows.dot_general(a, b, dims)  # noqa: E731
+    assert _uses_kernel(f, x8, w)
+    np.testing.assert_allclose(f(x8, w), jax.lax.dot_general(x8, w, dims), rtol=1e-6)
+    assert not _uses_kernel(f, jnp.ones((3, 4, 96)), w)  # 12 rows: XLA's GEMM
+    assert not _uses_kernel(f, x8.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+    o = jnp.ones((3, 32, 96), jnp.float32)  # attention output kernel [heads, head_dim, D]
+    g = lambda a, b: few_rows.dot_general(a, b, (((2, 3), (0, 1)), ((), ())))  # noqa: E731
+    h = jnp.ones((1, 2, 3, 32), jnp.float32)
+    assert _uses_kernel(g, h, o)
+    assert g(h, o).shape == (1, 2, 96)
+    emb = jnp.ones((50, 96), jnp.float32)  # tied embedding [V, D] as LM head
+    lm = lambda a, b: few_rows.dot_general(a, b, (((2,), (1,)), ((), ())))  # noqa: E731
+    assert _uses_kernel(lm, x8[:1], emb) and not _uses_kernel(lm, x8, emb)  # 4 rows yes, 8 no
+
+
+def test_gradients_flow_through_xla():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((3, 20)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((20, 7)).astype(np.float32))
+    def loss(x, w, t):
+        return jnp.sum(jnp.sin(few_rows.matmul(x, w.T, True) if t else few_rows.matmul(x, w, False)))
+
+    ref = lambda x, w: jnp.sum(jnp.sin(x @ w))  # noqa: E731
+    for t in (False, True):
+        got = jax.grad(loss, argnums=(0, 1))(x, w, t)
+        want = jax.grad(ref, argnums=(0, 1))(x, w)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_target_uses_the_kernel_on_one_device_only(monkeypatch):
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    t = init_target(cfg)
+    assert t.module.few_row_kernels
+    monkeypatch.setenv(few_rows.ENV_SWITCH, "0")
+    assert not t.module.few_row_kernels
+    monkeypatch.delenv(few_rows.ENV_SWITCH)
+    if len(jax.devices()) >= 2:  # params sharded over a mesh keep XLA's dot
+        from eagle2_jax import make_mesh
+        sharded = init_target(cfg, mesh=make_mesh(model=2, devices=jax.devices()[:2]))
+        assert not sharded.module.few_row_kernels
