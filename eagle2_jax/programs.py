@@ -20,6 +20,13 @@ def clear_all() -> None:
         p._compiled.clear()
 
 
+def _leaf_key(x):
+    """Shape, dtype and placement of one input (arrays first: this runs per leaf per host call)."""
+    if isinstance(x, jax.Array):
+        return x.shape, x.dtype, x.sharding
+    return np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None)
+
+
 class Program:
     def __init__(self, fn: Callable, static: tuple):
         self.name = fn.__name__
@@ -37,8 +44,7 @@ class Program:
     def compile(self, *args, timings: Optional[dict] = None, **static):
         """The compiled executable for these inputs (compiled once per key, then cached)."""
         leaves, treedef = jax.tree_util.tree_flatten(args)
-        key = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
-                              for x in leaves), tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        key = (treedef, tuple(_leaf_key(x) for x in leaves), tuple(sorted(static.items(), key=lambda kv: kv[0])))
         exe = self._compiled.get(key)
         if exe is None:
             t0 = time.perf_counter()

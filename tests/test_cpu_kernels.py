@@ -30,16 +30,16 @@ def test_matmul_matches_float64_reference(M, K, N, transpose_w):
     np.testing.assert_allclose(y, _ref(x, w, transpose_w), rtol=1e-5, atol=1e-5 * np.sqrt(K))
 
 
+@pytest.mark.parametrize("K,N", [(576, 300), (37, 211)])
 @pytest.mark.parametrize("transpose_w", [False, True])
-def test_a_row_is_bit_identical_whatever_the_other_rows(transpose_w):
+def test_a_row_is_bit_identical_whatever_the_other_rows(transpose_w, K, N):
     """The property lossless verification leans on: a tree row equals the same row decoded alone."""
     rng = np.random.default_rng(1)
-    K, N = 576, 300
     w = jnp.asarray(rng.standard_normal((N, K) if transpose_w else (K, N)).astype(np.float32))
     x = rng.standard_normal((11, K)).astype(np.float32)
     f = jax.jit(few_rows.matmul, static_argnums=2)
     alone = np.asarray(f(jnp.asarray(x[4:5]), w, transpose_w))[0]
-    for m in (2, 5, 8, 11):
+    for m in (2, 3, 5, 6, 8, 11):
         rows = np.asarray(f(jnp.asarray(x[:m] if m > 4 else x[3:3 + m]), w, transpose_w))
         got = rows[4] if m > 4 else rows[1]
         assert np.array_equal(got, alone), f"row differs in a batch of {m}"

@@ -44,7 +44,7 @@ inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 inline vec splat(float s) { return vec{} + s; }
 
 // nn: columns [c0, c1) of y for rows [0, R), R <= kMaxRows.  Accumulates
-// over k in ascending order, four k at a time (a fixed association).
+// over k in ascending order (kKB of k per pass over the accumulators).
 template <int R>
 void nn_cols(const float* x, const float* w, float* y, int64_t K, int64_t N,
              int64_t c0, int64_t c1) {
@@ -72,9 +72,13 @@ void nn_cols(const float* x, const float* w, float* y, int64_t K, int64_t N,
         y[r * N + c] = acc;
       }
   }
-  for (; k < K; ++k)
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = c0; c < c1; ++c) y[r * N + c] += x[r * K + k] * w[k * N + c];
+  for (; k < K; ++k)  // the same vector / scalar split of columns as above
+    for (int r = 0; r < R; ++r) {
+      const vec xr = splat(x[r * K + k]);
+      for (int64_t c = c0; c < vend; c += kLanes)
+        store(y + r * N + c, load(y + r * N + c) + xr * load(w + k * N + c));
+      for (int64_t c = vend; c < c1; ++c) y[r * N + c] += x[r * K + k] * w[k * N + c];
+    }
 }
 
 inline float hsum(vec v) {
