@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .cache import KVCache, init_cache
 from . import cpu_kernels as few_rows
+from .cache import KVCache, init_cache
 from .config import ModelConfig
 from .layers import DecoderLayer, split_masks
 from .model import Target, resolve_dtype

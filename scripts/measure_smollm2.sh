@@ -14,7 +14,8 @@ run() {  # name, then the command
   "$@" > "runs/bench/$name.log" 2>&1 && touch "runs/bench/$name.done"
   echo "   $(( $(date +%s) - t0 ))s"; tail -n 12 "runs/bench/$name.log"
 }
-V=${1:-v4}  # results go to runs/bench/$V (v2: head of 240d81e, v3: rollout-trained head, v4: same head after 30cee77)
+V=${1:-v6}  # results go to runs/bench/$V (v2: head of 240d81e, v3: rollout-trained head, v4: same head after 30cee77,
+            # v6: same head with the few-row CPU matmul kernel)
 B=runs/bench/$V
 # acceptance (timing-independent): reference tree; all 80 MT-bench first turns first
 run $V/tau_mt_bench_t0 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 80 --methods eagle --batch 16 \
@@ -31,6 +32,7 @@ run $V/tau_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --
 run $V/speed_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 10 --methods plain,eagle \
     --max-new-tokens 256 --temperature 1.0 --out $B/speed_mt_bench_t1
 run $V/roundcost python -m infer.roundcost --batch 1,4,16 --total-tokens 2,3,4,6,8,16,32 --repeats 3 --out $B/roundcost
+run $V/few_row_matmul python scripts/bench_few_row_matmul.py
 # tree sizes: the round-cost choice for each batch ($B/roundcost/roundcost.md)
 run $V/batch4 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods plain,eagle --batch 4 \
     --max-new-tokens 256 --total-tokens 2 --out $B/batch4

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle2_jax import cpu_kernels as few_rows
 from eagle2_jax import ModelConfig, init_target
+from eagle2_jax import cpu_kernels as few_rows
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not few_rows.load(),
                                 reason="few-row kernel is for XLA:CPU and needs a C++ compiler")
