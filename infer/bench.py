@@ -180,6 +180,8 @@ def main(argv=None):
                 bar.update(len(live) if turn == 0 else 0)
     bar.close()
     summary = summarize(rows, runners, args, tree, warm)
+    module = getattr(target, "module", None)  # (test doubles have none)
+    summary["cpu_kernels"] = bool(getattr(module, "few_row_kernels", False))  # eagle2_jax.cpu_kernels in use
     write_outputs(args.out, rows, summary)
     print(markdown(summary))
 
@@ -221,7 +223,8 @@ def summarize(rows, runners, args, tree, warm):
 
 def markdown(s):
     lines = [f"questions: {os.path.basename(s['questions'])}, max_new_tokens {s['max_new_tokens']}, "
-             f"temperature {s['temperature']}, batch {s['batch']}, tree {s['tree']}", "",
+             f"temperature {s['temperature']}, batch {s['batch']}, tree {s['tree']}"
+             + (f", few-row CPU kernels {'on' if s['cpu_kernels'] else 'off'}" if "cpu_kernels" in s else ""), "",
              "| method | new tokens | seconds | tokens/s | tau | compile s (excluded) |", "|---|---|---|---|---|---|"]
     for m, d in s["methods"].items():
         tau = f"{d['tau']:.2f}" if "tau" in d else "-"

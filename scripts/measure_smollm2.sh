@@ -23,6 +23,8 @@ run $V/tau_mt_bench_t0 python -m infer.bench --questions $EVAL/mt_bench.jsonl --
 # speed at batch 1 (tree from the head's tree.json), against transformers
 run $V/speed_mt_bench python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 20 --methods plain,eagle,hf \
     --max-new-tokens 256 --out $B/speed_mt_bench
+run $V/speed_mt_bench80 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 80 --methods plain,eagle,hf \
+    --max-new-tokens 256 --out $B/speed_mt_bench80
 for q in humaneval gsm8k alpaca; do
   run $V/tau_${q}_t0 python -m infer.bench --questions $EVAL/$q.jsonl --limit 16 --methods eagle --batch 16 \
       --max-new-tokens 256 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_${q}_t0
