@@ -143,6 +143,9 @@ def _step(tparams, dparams, st, *, tmodule, dmodule, sampling, tree):
 
 _STATIC = ("tmodule", "dmodule", "cache_len", "out_len", "sampling", "tree", "mesh")
 LOOP, INIT, STEP = Program(_loop, _STATIC), Program(_init, _STATIC), Program(_step, ("tmodule", "dmodule", "sampling", "tree"))
+# The streaming driver's step: it replaces the state every round, so the caches are updated in place
+# (STEP, which leaves its input intact for timing and calibration, copies every cache buffer).
+STREAM_STEP = Program(_step, ("tmodule", "dmodule", "sampling", "tree"), donate=("st",))
 
 
 def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -170,7 +173,7 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
             jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
     static = dict(tmodule=target.module, dmodule=draft.module, cache_len=b.cache_len,
                   out_len=b.max_new + tree.max_accept, sampling=sampling, tree=tree, mesh=target.mesh)
-    st = run(LOOP, INIT, STEP, args, static, (target.params, draft.params),
+    st = run(LOOP, INIT, STREAM_STEP, args, static, (target.params, draft.params),
              dict(tmodule=target.module, dmodule=draft.module, sampling=sampling, tree=tree), b.num_rows,
              stream, timings, compile_only)
     if compile_only:

@@ -28,9 +28,11 @@ def _leaf_key(x):
 
 
 class Program:
-    def __init__(self, fn: Callable, static: tuple):
+    def __init__(self, fn: Callable, static: tuple, donate: tuple = ()):
+        """`donate`: names of arguments whose buffers the program may reuse for its outputs (the caller
+        must not touch them afterwards), e.g. the decode state a host-stepped loop replaces each step."""
         self.name = fn.__name__
-        self._jit = jax.jit(fn, static_argnames=static)
+        self._jit = jax.jit(fn, static_argnames=static, donate_argnames=donate)
         self._compiled: dict = {}
         _ALL.append(self)
 

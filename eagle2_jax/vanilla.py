@@ -92,6 +92,7 @@ def _step(params, st, *, module, sampling):
 
 _STATIC = ("module", "cache_len", "out_len", "sampling", "mesh")
 LOOP, INIT, STEP = Program(_loop, _STATIC), Program(_init, _STATIC), Program(_step, ("module", "sampling"))
+STREAM_STEP = Program(_step, ("module", "sampling"), donate=("st",))  # see eagle.STREAM_STEP
 
 
 def _prepare(target: Target, prompts, max_new_tokens, slack: int):
@@ -127,7 +128,7 @@ def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperatur
             jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
     static = dict(module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=sampling,
                   mesh=target.mesh)
-    st = run(LOOP, INIT, STEP, args, static, (target.params,), dict(module=target.module, sampling=sampling),
+    st = run(LOOP, INIT, STREAM_STEP, args, static, (target.params,), dict(module=target.module, sampling=sampling),
              b.num_rows, stream, timings, compile_only)
     if compile_only:
         return None
