@@ -34,7 +34,7 @@ class EagleDraft(nn.Module):
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = nn.Dense(self.config.hidden_size, use_bias=self.bias, dtype=self.dtype,
                      param_dtype=self.dtype, name="fc",
-                     dot_general=few_rows.dot_general if self.few_row_kernels else None)(x)
+                     dot_general=few_rows.dot_general_for(self.few_row_kernels))(x)
         masks = split_masks(cache.length, local_mask_BTU, offset, cache.max_len)
         h, (k, v) = DecoderLayer(self.config, self.dtype, input_norm=False,
                                    few_row_kernels=self.few_row_kernels, name="layers_0")(

@@ -161,7 +161,7 @@ class Attention(nn.Module):
 
         Returns (out [B,T,D], (cache_k, cache_v) with this call's keys/values written)."""
         c = self.config
-        dot_general = few_rows.dot_general if self.few_row_kernels else None
+        dot_general = few_rows.dot_general_for(self.few_row_kernels)
         dense = lambda feats, name, bias: nn.DenseGeneral(  # noqa: E731
             feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name, dot_general=dot_general)
         q = dense((c.num_attention_heads, c.head_dim), "q", c.attention_bias)(x_BTD)
@@ -192,7 +192,7 @@ class MLP(nn.Module):
         c = self.config
         dense = lambda feats, name: nn.Dense(  # noqa: E731
             feats, use_bias=c.mlp_bias, dtype=self.dtype, param_dtype=self.dtype, name=name,
-            dot_general=few_rows.dot_general if self.few_row_kernels else None)
+            dot_general=few_rows.dot_general_for(self.few_row_kernels))
         h = nn.silu(dense(c.intermediate_size, "gate")(x)) * dense(c.intermediate_size, "up")(x)
         return dense(c.hidden_size, "down")(h)
 
