@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from . import cpu_kernels as few_rows
 from .cache import KVCache, init_cache
 from .config import ModelConfig
-from .layers import DecoderLayer, split_masks
+from .layers import DecoderLayer, dense_dot_general, split_masks
 from .model import Target, resolve_dtype
 
 
@@ -34,7 +34,7 @@ class EagleDraft(nn.Module):
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = nn.Dense(self.config.hidden_size, use_bias=self.bias, dtype=self.dtype,
                      param_dtype=self.dtype, name="fc",
-                     dot_general=few_rows.dot_general_for(self.few_row_kernels))(x)
+                     dot_general=dense_dot_general(self.few_row_kernels))(x)
         masks = split_masks(cache.length, local_mask_BTU, offset, cache.max_len)
         h, (k, v) = DecoderLayer(self.config, self.dtype, input_norm=False,
                                    few_row_kernels=self.few_row_kernels, name="layers_0")(

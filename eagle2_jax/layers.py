@@ -150,6 +150,31 @@ def split_masks(length_B, local_mask_BTU, offset: int, S: int):
             local_mask_BTU[:, :, offset:offset + T])
 
 
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def dense_dot_general(few_row_kernels: bool):
+    """The `dot_general` of the model's Dense layers.
+
+    The few-row CPU kernel where enabled (see eagle2_jax.cpu_kernels), else `lax.dot_general`.
+    Half-precision operands accumulate in float32 and round the result once: numerically the
+    better product, what TPU and GPU matrix units do anyway, and on XLA:CPU about 4x faster than
+    a bfloat16 x bfloat16 -> bfloat16 dot (which XLA runs through a slow generic path; a
+    [3072, 576] x [576, 1536] product: 42 ms vs 9 ms here). Float32 operands are unchanged.
+    """
+    base = few_rows.dot_general if few_row_kernels else jax.lax.dot_general
+
+    def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+        if (preferred_element_type is None and lhs.dtype == rhs.dtype
+                and jnp.dtype(lhs.dtype) in HALF_DTYPES):
+            out = base(lhs, rhs, dimension_numbers, precision=precision,
+                       preferred_element_type=jnp.float32, **kw)
+            return out.astype(lhs.dtype)
+        return base(lhs, rhs, dimension_numbers, precision=precision,
+                    preferred_element_type=preferred_element_type, **kw)
+    return dot_general
+
+
 class Attention(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
@@ -161,7 +186,7 @@ class Attention(nn.Module):
 
         Returns (out [B,T,D], (cache_k, cache_v) with this call's keys/values written)."""
         c = self.config
-        dot_general = few_rows.dot_general_for(self.few_row_kernels)
+        dot_general = dense_dot_general(self.few_row_kernels)
         dense = lambda feats, name, bias: nn.DenseGeneral(  # noqa: E731
             feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name, dot_general=dot_general)
         q = dense((c.num_attention_heads, c.head_dim), "q", c.attention_bias)(x_BTD)
@@ -192,7 +217,7 @@ class MLP(nn.Module):
         c = self.config
         dense = lambda feats, name: nn.Dense(  # noqa: E731
             feats, use_bias=c.mlp_bias, dtype=self.dtype, param_dtype=self.dtype, name=name,
-            dot_general=few_rows.dot_general_for(self.few_row_kernels))
+            dot_general=dense_dot_general(self.few_row_kernels))
         h = nn.silu(dense(c.intermediate_size, "gate")(x)) * dense(c.intermediate_size, "up")(x)
         return dense(c.hidden_size, "down")(h)
 

@@ -105,6 +105,25 @@ def test_bfloat16_params_close_to_float32():
     assert np.abs(a - b).max() < 0.05 * np.abs(a).max() + 0.05
 
 
+def test_half_precision_dense_accumulates_in_float32():
+    """bf16 Dense products accumulate in f32 and round once (not a bf16-output dot)."""
+    import jax
+    from eagle2_jax.layers import dense_dot_general
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 300)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((300, 7)), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    dot = dense_dot_general(False)
+    jaxpr = str(jax.make_jaxpr(lambda a, b: dot(a, b, dims))(x, w))
+    assert "preferred_element_type=float32" in jaxpr
+    y = dot(x, w, dims)
+    assert y.dtype == jnp.bfloat16
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(y, np.float64), exact, rtol=2 ** -8, atol=1e-6)
+    x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)  # float32 operands: the plain product
+    np.testing.assert_array_equal(np.asarray(dot(x32, w32, dims)), np.asarray(jax.lax.dot_general(x32, w32, dims)))
+
+
 def test_unknown_model_name():
     with pytest.raises(CheckpointError, match="unknown model 'no-such-model'"):
         load_target("no-such-model")

@@ -161,11 +161,6 @@ def _plan(lhs, rhs, dimension_numbers):
     return None
 
 
-def dot_general_for(enabled: bool):
-    """The `dot_general` a Flax Dense layer should take: this module's when enabled, else Flax's default."""
-    return dot_general if enabled else None
-
-
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
     """`lax.dot_general`, through the few-row kernel where it applies (see the module docstring)."""
     plan = None
