@@ -45,20 +45,29 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-def _best(fn, repeats):
+def _best(fn, make_args, repeats):
+    """Best wall time (ms) of fn(*make_args()) over `repeats` calls after a warm-up call.
+
+    The programs donate the state and caches they update, as the real generation loop does (in
+    place, no copy of the KV caches), so every call gets fresh copies made outside the timing."""
     import jax
-    jax.block_until_ready(fn())  # compile + warm
+    jax.block_until_ready(fn(*make_args()))  # compile + warm
     best = float("inf")
     for _ in range(repeats):
+        args = make_args()
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
+        jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
 
 
 def _parts():
-    """Jitted programs for the parts of a round (static: modules, tree)."""
+    """Jitted programs for the parts of a round (static: modules, tree). Each donates the state and
+    caches it updates; scalars of the state it leaves alone cannot be reused, which JAX would warn
+    about on every compile."""
+    import warnings
     import jax
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     import jax.numpy as jnp
     from eagle2_jax.cache import compact
     from eagle2_jax.eagle import draft_catch_up, eagle_round
@@ -93,21 +102,25 @@ def _parts():
         from eagle2_jax.config import SamplingConfig
         return eagle_round(tm, tp, dm, dp, st, SamplingConfig(), tree)
 
-    return (jax.jit(draft, static_argnames=("tm", "dm", "tree")), jax.jit(verify, static_argnames=("tm",)),
-            jax.jit(accept, static_argnames=("tm", "dm", "tree")), jax.jit(round_, static_argnames=("tm", "dm", "tree")))
+    return (jax.jit(draft, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",)),
+            jax.jit(verify, static_argnames=("tm",), donate_argnames=("st",)),
+            jax.jit(accept, static_argnames=("tm", "dm", "tree"), donate_argnames=("st", "tcache", "dcache")),
+            jax.jit(round_, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",)))
 
 
 def _plain_step_ms(target, prompts, repeats, max_new=256):
     import jax.numpy as jnp
     from eagle2_jax.config import SamplingConfig
-    from eagle2_jax.vanilla import INIT, STEP, _device_inputs, _prepare
+    from eagle2_jax.autotune import fresh_copy
+    from eagle2_jax.vanilla import INIT, STREAM_STEP, _device_inputs, _prepare
     from eagle2_jax.batching import eos_value
     s = SamplingConfig()
     b = _prepare(target, prompts, max_new, slack=1)
     prompt, plen, active = _device_inputs(target, b)
     st = INIT(target.params, prompt, plen, active, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0),
               module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=s, mesh=None)
-    return _best(lambda: STEP(target.params, st, module=target.module, sampling=s), repeats)
+    return _best(lambda st_: STREAM_STEP(target.params, st_, module=target.module, sampling=s),
+                 lambda: (fresh_copy(st),), repeats)
 
 
 def load_prompts(target, path, n):
@@ -128,7 +141,7 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     generation of that length sizes them (attention runs over the whole padded cache)."""
     import numpy as np
     import jax.numpy as jnp
-    from eagle2_jax.autotune import POOL
+    from eagle2_jax.autotune import POOL, fresh_copy
     from eagle2_jax.batching import eos_value, prepare_batch
     from eagle2_jax.config import SamplingConfig, TreeConfig
     from eagle2_jax.eagle import INIT, STEP, scratch_slots
@@ -152,14 +165,17 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     rows = []
     for n in sizes:
         tree = TreeConfig(depth, top_k, n)
-        t, dcache = p_draft(tp, dp, st, tm=tm, dm=dm, tree=tree)
-        feats, logits, tcache = p_verify(tp, st, t, tm=tm)
+        t, dcache = p_draft(tp, dp, fresh_copy(st), tm=tm, dm=dm, tree=tree)
+        feats, logits, tcache = p_verify(tp, fresh_copy(st), t, tm=tm)
         row = dict(batch=batch, depth=depth, top_k=top_k, total_tokens=n, plain_step_ms=plain,
-                   draft_ms=_best(lambda: p_draft(tp, dp, st, tm=tm, dm=dm, tree=tree), repeats),
-                   verify_ms=_best(lambda: p_verify(tp, st, t, tm=tm), repeats),
-                   accept_ms=_best(lambda: p_accept(tp, dp, st, t, feats, logits, tcache, dcache, tm=tm, dm=dm,
-                                                    tree=tree), repeats),
-                   round_ms=_best(lambda: p_round(tp, dp, st, tm=tm, dm=dm, tree=tree), repeats),
+                   draft_ms=_best(lambda s_: p_draft(tp, dp, s_, tm=tm, dm=dm, tree=tree),
+                                  lambda: (fresh_copy(st),), repeats),
+                   verify_ms=_best(lambda s_: p_verify(tp, s_, t, tm=tm), lambda: (fresh_copy(st),), repeats),
+                   accept_ms=_best(lambda s_, tc, dc: p_accept(tp, dp, s_, t, feats, logits, tc, dc, tm=tm, dm=dm,
+                                                               tree=tree),
+                                   lambda: fresh_copy((st, tcache, dcache)), repeats),
+                   round_ms=_best(lambda s_: p_round(tp, dp, s_, tm=tm, dm=dm, tree=tree),
+                                  lambda: (fresh_copy(st),), repeats),
                    expected_tau=1.0 + float(scores[:, :n - 1].sum(axis=1).mean()))
         row["tokens_per_s"] = batch * row["expected_tau"] / row["round_ms"] * 1e3
         row["plain_tokens_per_s"] = batch / plain * 1e3
