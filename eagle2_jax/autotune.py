@@ -45,7 +45,7 @@ def fresh_copy(tree):
     return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, tree))
 
 
-def _time(fn, make_args, repeats=3):
+def best_time(fn, make_args, repeats=3):
     """Best of `repeats` wall times of fn(*make_args()), the arguments made outside the timing.
 
     Rounds are timed with the donating step a real generation's loop runs (its caches updated in
@@ -92,7 +92,7 @@ def choose_tree(target, draft, prompts, *, depth: int = 5, top_k: int = 10, cand
         exp_tau = 1.0 + float(values[:, :n - 1].sum(axis=1).mean())
         step = lambda s: STREAM_STEP(*dyn, s, sampling=sampling, tree=tree, **mods)  # noqa: E731
         step(fresh_copy(st))  # compile outside the timing
-        cost = _time(step, lambda: (fresh_copy(st),))
+        cost = best_time(step, lambda: (fresh_copy(st),))
         table.append(dict(total_tokens=n, expected_tau=exp_tau, round_ms=cost * 1e3,
                           tokens_per_s=b.num_rows * exp_tau / cost))
     best = max(table, key=lambda r: r["tokens_per_s"])

@@ -46,19 +46,12 @@ def parse(argv=None):
 
 
 def _best(fn, make_args, repeats):
-    """Best wall time (ms) of fn(*make_args()) over `repeats` calls after a warm-up call.
-
-    The programs donate the state and caches they update, as the real generation loop does (in
-    place, no copy of the KV caches), so every call gets fresh copies made outside the timing."""
+    """Best wall time (ms) of fn(*make_args()) after a warm-up call (autotune.best_time: the programs
+    donate what they update, as the generation loop does, so each call gets fresh copies)."""
     import jax
+    from eagle2_jax.autotune import best_time
     jax.block_until_ready(fn(*make_args()))  # compile + warm
-    best = float("inf")
-    for _ in range(repeats):
-        args = make_args()
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return best_time(fn, make_args, repeats) * 1e3
 
 
 def _parts():
