@@ -144,7 +144,8 @@ def _step(tparams, dparams, st, *, tmodule, dmodule, sampling, tree):
 _STATIC = ("tmodule", "dmodule", "cache_len", "out_len", "sampling", "tree", "mesh")
 LOOP, INIT, STEP = Program(_loop, _STATIC), Program(_init, _STATIC), Program(_step, ("tmodule", "dmodule", "sampling", "tree"))
 # The streaming driver's step: it replaces the state every round, so the caches are updated in place
-# (STEP, which leaves its input intact for timing and calibration, copies every cache buffer).
+# (STEP, which leaves its input intact for calibration walks that reuse it, copies every cache buffer;
+# timing tools run this one on fresh copies of the state).
 STREAM_STEP = Program(_step, ("tmodule", "dmodule", "sampling", "tree"), donate=("st",))
 
 
