@@ -28,12 +28,30 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;  // floats per vector
+// Vector width and k-blocking follow the ISA -march=native compiled for:
+// 16 floats and 16 k per pass with AVX-512 (32 vector registers); 8 and 8
+// with AVX2 (16 registers), where 64-byte vectors split in two and spill
+// (measured on an AVX2-only EPYC: 4 rows 66 ms with 16/16, 29 ms with 8/8;
+// scripts/bench_few_row_matmul.py).  -DE2_LANES= / -DE2_KB= override.
+#if defined(__AVX512F__)
+#define E2_DEFAULT_LANES 16
+#define E2_DEFAULT_KB 16
+#else
+#define E2_DEFAULT_LANES 8
+#define E2_DEFAULT_KB 8
+#endif
+#ifndef E2_LANES
+#define E2_LANES E2_DEFAULT_LANES
+#endif
+#ifndef E2_KB
+#define E2_KB E2_DEFAULT_KB
+#endif
+constexpr int kLanes = E2_LANES;  // floats per vector
 constexpr int kMaxRows = 8;    // rows per pass over the weights (nn)
 constexpr int kMaxRowsNT = 4;  // rows per pass over the weights (nt)
-constexpr int kKB = 16;        // k per pass over the nn accumulators
+constexpr int kKB = E2_KB;     // k per pass over the nn accumulators
 constexpr int kBlocksPerThread = 1;  // finer blocks measured slower
-typedef float vec __attribute__((vector_size(64)));
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vec load(const float* p) {
   vec v;
