@@ -1,10 +1,13 @@
 """Choose the tree size for the hardware at hand (EAGLE-2's `total_token=-1` idea).
 
-Expected tokens per round for a tree of N nodes is estimated from the draft's own scores: a
-node's value exp(score) (the product of confidences along its path) approximates the chance the
-target accepts it, so E[tau](N) ~= 1 + sum of the N-1 largest values. Round cost is timed on
-device for each candidate N (verify forward + draft passes). The chosen N maximises
-E[tau](N) / cost(N).
+Tokens per round are measured, not guessed: a calibration walk of real greedy rounds with the
+largest candidate tree reads off, for every smaller size N at the same state, how many tokens that
+tree would have accepted (see `ACCEPT_RANKS`). Round cost is timed on device for each candidate N
+(the donating step the generation loop runs). The chosen N maximises tau(N) / cost(N).
+
+The draft's own estimate (a node's exp(score), the product of confidences along its path, taken
+as its chance of acceptance: tau ~= 1 + sum of the N-1 largest) is reported beside the measurement;
+on SmolLM2 it was low for N = 2 and high for N >= 3, which is why it no longer decides.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from .eagle import INIT, STEP, STREAM_STEP, scratch_slots
 from .batching import eos_value, prepare_batch
 from .programs import Program
 from .sharding import batch_multiple
-from .tree import expand
+from .model import target_apply, target_logits
+from .tree import expand, rerank
+from .verify import accept_greedy
 from .vanilla import _device_inputs
 
 CANDIDATES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -29,15 +34,69 @@ CANDIDATES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 @dataclasses.dataclass
 class TreeChoice:
     tree: TreeConfig
-    table: list  # per candidate: dict(total_tokens, expected_tau, round_ms, tokens_per_s)
+    table: list  # per candidate: dict(total_tokens, expected_tau (measured), estimated_tau (draft scores),
+    #   round_ms, tokens_per_s)
 
 
-def _pool_scores(tparams, dparams, st, *, tmodule, dmodule, tree):
+def _accept_ranks(tparams, dparams, st, *, tmodule, dmodule, tree):
+    """One greedy verification of `tree`, read for every smaller tree of the same depth and top_k.
+
+    A candidate never outscores its parent and score ties go to the lower pool index (the parent),
+    so the top-(n-1) selections for n <= N are nested and ancestor-closed, and the pool of a
+    smaller tree (fewer draft passes) holds all of them. The n-node tree therefore contains exactly
+    the nodes of this tree's accepted path whose score rank is < n-1 -- a prefix of the path, ranks
+    growing with depth -- and its greedy acceptance (bonus included) is 1 + their count.
+
+    Returns ranks_BC (score rank of the accepted path's drafted nodes in depth order, C = max_accept;
+    the root and the entries past the path hold N), scores_BM (the M = N-1 best cumulative
+    log-probs, descending) and active_B (rows still generating)."""
+    N = tree.total_tokens
     pool, _ = expand(tmodule, tparams, dmodule, dparams, st.dcache, st.hidden_BD, tree)
-    return jnp.sort(pool.scores_BP, axis=1)[:, ::-1]
+    scores, top = jax.lax.top_k(pool.scores_BP, N - 1)  # score order, as rerank ranks them
+    B, P = pool.scores_BP.shape
+    rank_of = jax.vmap(lambda t: jnp.full((P,), N, jnp.int32).at[t].set(jnp.arange(N - 1, dtype=jnp.int32)))(top)
+    t = rerank(pool, st.root_B, tree)  # node i >= 1 is pool entry sort(top)[i-1]
+    node_rank = jnp.concatenate([jnp.full((B, 1), N, jnp.int32),
+                                 jnp.take_along_axis(rank_of, jnp.sort(top, axis=1), axis=1)], axis=1)
+    pos = st.tcache.length[:, None] + t.depths_BN
+    feats, _ = target_apply(tmodule, tparams, t.tokens_BN, pos, st.tcache, t.ancestors_BNN)
+    path, n_acc, _ = accept_greedy(t, target_logits(tmodule, tparams, feats), tree.max_accept)
+    d = jnp.arange(path.shape[1])[None]
+    ranks = jnp.where((d >= 1) & (d < n_acc[:, None]), jnp.take_along_axis(node_rank, path, axis=1), N)
+    return ranks, scores, ~st.done_B
 
 
-POOL = Program(_pool_scores, ("tmodule", "dmodule", "tree"))
+ACCEPT_RANKS = Program(_accept_ranks, ("tmodule", "dmodule", "tree"))
+
+
+@dataclasses.dataclass
+class Acceptance:
+    """Per calibration sample (a row in a round): what each tree size accepts."""
+    ranks: np.ndarray  # [S, C] see _accept_ranks
+    scores: np.ndarray  # [S, M] draft cumulative log-probs, descending
+
+    def measured_tau(self, n: int) -> float:
+        """Mean tokens per round (bonus included) of the n-node tree, greedy."""
+        return 1.0 + float((self.ranks < n - 1).sum(axis=1).mean())
+
+    def estimated_tau(self, n: int) -> float:
+        """The draft's own estimate: 1 + sum of the n-1 best exp(score)."""
+        return 1.0 + float(np.exp(self.scores[:, :n - 1].astype(np.float64)).sum(axis=1).mean())
+
+
+def calibrate(target, draft, st, tree: TreeConfig, rounds: int):
+    """Walk `rounds` real greedy rounds of `tree` from state `st`, measuring acceptance for every
+    smaller size on the way. Returns (Acceptance, the state after the walk)."""
+    from .config import SamplingConfig
+    dyn = (target.params, draft.params)
+    mods = dict(tmodule=target.module, dmodule=draft.module)
+    ranks, scores = [], []
+    for _ in range(rounds):
+        r, s, active = (np.asarray(x) for x in ACCEPT_RANKS(*dyn, st, tree=tree, **mods))
+        ranks.append(r[active])
+        scores.append(s[active])
+        st = STEP(*dyn, st, sampling=SamplingConfig(), tree=tree, **mods)
+    return Acceptance(np.concatenate(ranks), np.concatenate(scores)), st
 
 
 def fresh_copy(tree):
@@ -62,8 +121,9 @@ def best_time(fn, make_args, repeats=3):
 
 
 def choose_tree(target, draft, prompts, *, depth: int = 5, top_k: int = 10, candidates=CANDIDATES,
-                calibration_rounds: int = 8, max_new_tokens: int = 64) -> TreeChoice:
-    """Pick total_tokens for (depth, top_k) by measured round cost and draft-estimated acceptance."""
+                calibration_rounds: int = 16, max_new_tokens: int = 128) -> TreeChoice:
+    """Pick total_tokens for (depth, top_k) by measured round cost and measured greedy acceptance
+    (`calibration_rounds` rounds over the prompts, see `calibrate`)."""
     from .config import SamplingConfig
     pool_size = top_k + depth * top_k * top_k
     cands = sorted({min(n, pool_size + 1) for n in candidates})
@@ -80,20 +140,18 @@ def choose_tree(target, draft, prompts, *, depth: int = 5, top_k: int = 10, cand
     st = INIT(*args, **static)
     dyn = (target.params, draft.params)
     mods = dict(tmodule=target.module, dmodule=draft.module)
-    values = []
-    for _ in range(calibration_rounds):  # walk a real generation, collecting the draft's scores
-        scores = np.asarray(POOL(*dyn, st, tree=big, **mods))[:b.num_rows]
-        values.append(np.exp(scores.astype(np.float64)))
-        st = STEP(*dyn, st, sampling=sampling, tree=big, **mods)
-    values = np.concatenate(values, axis=0)  # [rounds * rows, pool]
+    acc, st = calibrate(target, draft, st, big, calibration_rounds)
+    if len(acc.ranks) == 0:
+        raise ValueError("choose_tree: every prompt finished before calibration; give longer prompts or a "
+                         "larger max_new_tokens")
     table = []
     for n in cands:
         tree = TreeConfig(depth, top_k, n)
-        exp_tau = 1.0 + float(values[:, :n - 1].sum(axis=1).mean())
+        tau = acc.measured_tau(n)
         step = lambda s: STREAM_STEP(*dyn, s, sampling=sampling, tree=tree, **mods)  # noqa: E731
         step(fresh_copy(st))  # compile outside the timing
         cost = best_time(step, lambda: (fresh_copy(st),))
-        table.append(dict(total_tokens=n, expected_tau=exp_tau, round_ms=cost * 1e3,
-                          tokens_per_s=b.num_rows * exp_tau / cost))
+        table.append(dict(total_tokens=n, expected_tau=tau, estimated_tau=acc.estimated_tau(n),
+                          round_ms=cost * 1e3, tokens_per_s=b.num_rows * tau / cost))
     best = max(table, key=lambda r: r["tokens_per_s"])
     return TreeChoice(TreeConfig(depth, top_k, best["total_tokens"]), table)

@@ -9,8 +9,10 @@ Parts, each compiled on its own and timed on device on the same mid-generation s
   verify  one target forward over the N tree tokens + the LM head
   accept  greedy acceptance + cache compaction + output + draft catch-up
   round   the whole round as the generation loop runs it (the parts fused by XLA; not their sum)
-The tree for each batch maximises expected tokens/s: the draft's own estimate of tokens per round
-(1 + the sum of the N-1 best exp(scores), see eagle2_jax.autotune) over the measured round time.
+The tree for each batch maximises expected tokens/s: measured greedy tokens per round over the
+measured round time. Tokens per round come from a walk of --calibration-rounds real rounds with the
+largest tree, read for every smaller size at the same states (eagle2_jax.autotune.calibrate); the
+draft's own estimate (1 + the sum of the N-1 best exp(scores)) is shown beside it.
 Writes roundcost.json, roundcost.md and roundcost.png under --out. Times are the best of
 --repeats runs (compile excluded).
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 
 def parse(argv=None):
@@ -34,6 +35,11 @@ def parse(argv=None):
     ap.add_argument("--questions", default=None,
                     help="EAGLE/MT-bench jsonl whose first turns are the prompts (default: shared MT-bench)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--calibration-rounds", type=int, default=16,
+                    help="greedy rounds walked with the largest tree to measure tokens per round of every size")
+    ap.add_argument("--calibration-prompts", type=int, default=16,
+                    help="prompts in the acceptance walk (at least the batch size): acceptance is a per-row "
+                         "quantity, so small batches borrow more prompts for it")
     ap.add_argument("--max-new-tokens", type=int, default=256,
                     help="size the caches for generations of this length (attention reads the whole padded cache)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -128,13 +134,15 @@ def load_prompts(target, path, n):
     return [render(target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in qs]
 
 
-def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int, max_new: int = 256):
-    """Rows: dict(batch, depth, top_k, total_tokens, draft_ms, verify_ms, accept_ms, round_ms, expected_tau,
-    tokens_per_s) plus the plain step time for this batch. Caches are sized for max_new new tokens, as a
-    generation of that length sizes them (attention runs over the whole padded cache)."""
-    import numpy as np
+def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int, max_new: int = 256,
+            calibration_rounds: int = 16, calibration_prompts=None):
+    """Rows: dict(batch, depth, top_k, total_tokens, draft_ms, verify_ms, accept_ms, round_ms, expected_tau
+    (measured), estimated_tau (draft scores), tokens_per_s) plus the plain step time for this batch.
+    Caches are sized for max_new new tokens, as a generation of that length sizes them (attention
+    runs over the whole padded cache). Acceptance is measured over `calibration_prompts` when given
+    (and more than the batch), else over the batch itself."""
     import jax.numpy as jnp
-    from eagle2_jax.autotune import POOL, fresh_copy
+    from eagle2_jax.autotune import calibrate, fresh_copy
     from eagle2_jax.batching import eos_value, prepare_batch
     from eagle2_jax.config import SamplingConfig, TreeConfig
     from eagle2_jax.eagle import INIT, STEP, scratch_slots
@@ -144,15 +152,25 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     sizes = sorted({min(n, pool_size + 1) for n in sizes})
     big = TreeConfig(depth, top_k, sizes[-1])
     s = SamplingConfig()
-    b = prepare_batch(prompts, max_new, vocab_size=target.config.vocab_size,
-                      max_positions=target.config.max_position_embeddings, slack=scratch_slots(big))
-    prompt, plen, active = _device_inputs(target, b)
+
+    def state(ps):
+        b = prepare_batch(ps, max_new, vocab_size=target.config.vocab_size,
+                          max_positions=target.config.max_position_embeddings, slack=scratch_slots(big))
+        prompt, plen, active = _device_inputs(target, b)
+        return INIT(tp, dp, prompt, plen, active, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0),
+                    tmodule=tm, dmodule=dm, cache_len=b.cache_len, out_len=b.max_new + big.max_accept, sampling=s,
+                    tree=big, mesh=None)
+
     tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
-    st = INIT(tp, dp, prompt, plen, active, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0), tmodule=tm,
-              dmodule=dm, cache_len=b.cache_len, out_len=b.max_new + big.max_accept, sampling=s, tree=big, mesh=None)
-    for _ in range(4):  # a few real rounds first: mid-generation state
-        st = STEP(tp, dp, st, tmodule=tm, dmodule=dm, sampling=s, tree=big)
-    scores = np.exp(np.asarray(POOL(tp, dp, st, tree=big, tmodule=tm, dmodule=dm)).astype(np.float64))
+    # measured greedy acceptance of every size along a real walk (autotune.calibrate), over the calibration
+    # prompts; the parts are timed on the batch's own mid-generation state after a walk as long
+    st = state(prompts)
+    if calibration_prompts is not None and len(calibration_prompts) > len(prompts):
+        acc, _ = calibrate(target, draft, state(calibration_prompts), big, rounds=calibration_rounds)
+        for _ in range(calibration_rounds):
+            st = STEP(tp, dp, st, tmodule=tm, dmodule=dm, sampling=s, tree=big)
+    else:
+        acc, st = calibrate(target, draft, st, big, rounds=calibration_rounds)
     p_draft, p_verify, p_accept, p_round = _parts()
     plain = _plain_step_ms(target, prompts, repeats, max_new)
     rows = []
@@ -169,7 +187,7 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
                                    lambda: fresh_copy((st, tcache, dcache)), repeats),
                    round_ms=_best(lambda s_: p_round(tp, dp, s_, tm=tm, dm=dm, tree=tree),
                                   lambda: (fresh_copy(st),), repeats),
-                   expected_tau=1.0 + float(scores[:, :n - 1].sum(axis=1).mean()))
+                   expected_tau=acc.measured_tau(n), estimated_tau=acc.estimated_tau(n))
         row["tokens_per_s"] = batch * row["expected_tau"] / row["round_ms"] * 1e3
         row["plain_tokens_per_s"] = batch / plain * 1e3
         rows.append(row)
@@ -185,12 +203,12 @@ def write(rows, out):
     with open(os.path.join(out, "roundcost.json"), "w") as f:
         json.dump({"rows": rows, "chosen": {str(k): v for k, v in best.items()}}, f, indent=1)
     lines = ["| batch | depth/top_k | N | draft ms | verify ms | accept ms | round ms | plain step ms | "
-             "expected tau | expected tok/s | plain tok/s |", "|" + "---|" * 11]
+             "tau (measured) | tau (draft estimate) | expected tok/s | plain tok/s |", "|" + "---|" * 12]
     for r in rows:
         mark = " **chosen**" if best[r["batch"]] is r else ""
         lines.append(f"| {r['batch']} | {r['depth']}/{r['top_k']} | {r['total_tokens']}{mark} | {r['draft_ms']:.1f} | "
                      f"{r['verify_ms']:.1f} | {r['accept_ms']:.1f} | {r['round_ms']:.1f} | {r['plain_step_ms']:.1f} | "
-                     f"{r['expected_tau']:.2f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} |")
+                     f"{r['expected_tau']:.2f} | {r['estimated_tau']:.2f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} |")
     with open(os.path.join(out, "roundcost.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -226,7 +244,9 @@ def main(argv=None):
     rows = []
     for bsz in tqdm([int(x) for x in args.batch.split(",")], desc="batch sizes", unit="batch"):
         prompts = load_prompts(target, args.questions, bsz)
-        rows += measure(target, draft, prompts, args.depth, args.top_k, sizes, args.repeats, args.max_new_tokens)
+        calib = load_prompts(target, args.questions, max(bsz, args.calibration_prompts))
+        rows += measure(target, draft, prompts, args.depth, args.top_k, sizes, args.repeats, args.max_new_tokens,
+                        args.calibration_rounds, calib)
         write(rows, args.out)
     print("\n".join(write(rows, args.out)))
     print(f"wrote {args.out}/roundcost.json, roundcost.md, roundcost.png")

@@ -17,3 +17,36 @@ def test_choose_tree_oracle():
     # the chosen tree is still lossless
     ref = generate_vanilla(t, prompts, max_new_tokens=12).tokens
     assert generate(t, d, prompts, max_new_tokens=12, tree=choice.tree).tokens == ref
+
+
+def test_calibration_reads_off_what_every_smaller_tree_accepts():
+    """autotune's measured acceptance: a round of the big tree, read for size n, must equal a real
+    round of the n-node tree from the same state (row by row, over several states of a walk)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from eagle2_jax.autotune import ACCEPT_RANKS
+    from eagle2_jax.batching import eos_value, prepare_batch
+    from eagle2_jax.config import SamplingConfig
+    from eagle2_jax.eagle import INIT, STEP, scratch_slots
+    from eagle2_jax.vanilla import _device_inputs
+    t, d, _ = permutation_oracle(0, layer_scale=1.5)  # partly predictable: acceptance varies with n
+    big, sizes = TreeConfig(3, 3, 20), (2, 3, 4, 8, 20)
+    s = SamplingConfig()
+    mods = dict(tmodule=t.module, dmodule=d.module)
+    b = prepare_batch([[1, 2, 3], [4, 5], [7, 8, 9, 10], [11]], 32, vocab_size=64, max_positions=512,
+                      slack=scratch_slots(big))
+    prompt, plen, active = _device_inputs(t, b)
+    st = INIT(t.params, d.params, prompt, plen, active, jnp.int32(32), jnp.int32(eos_value(None)), jnp.uint32(0),
+              cache_len=b.cache_len, out_len=b.max_new + big.max_accept, sampling=s, tree=big, mesh=None, **mods)
+    seen = set()
+    for _ in range(3):
+        ranks, _, act = (np.asarray(x) for x in ACCEPT_RANKS(t.params, d.params, st, tree=big, **mods))
+        rows, r0 = np.arange(len(act)), np.asarray(st.rounds_B)
+        for n in sizes:
+            real = STEP(t.params, d.params, st, sampling=s, tree=TreeConfig(3, 3, n), **mods)
+            got = np.asarray(real.accept_BR)[rows, r0]
+            want = 1 + (ranks < n - 1).sum(axis=1)
+            assert np.array_equal(got[act], want[act]), (n, got, want)
+            seen.update(want[act].tolist())
+        st = STEP(t.params, d.params, st, sampling=s, tree=big, **mods)
+    assert len(seen) >= 3  # the check covered different acceptance lengths

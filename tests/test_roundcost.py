@@ -8,13 +8,17 @@ from infer import roundcost
 def test_roundcost_rows_and_outputs(tmp_path):
     t, d = tiny_pair(0)
     prompts = roundcost.load_prompts(t, None, 2)  # random tokens: the tiny target has no tokenizer
-    rows = roundcost.measure(t, d, prompts, depth=2, top_k=2, sizes=[2, 4, 99], repeats=1)
+    calib = roundcost.load_prompts(t, None, 3)  # acceptance measured over more prompts than the batch
+    rows = roundcost.measure(t, d, prompts, depth=2, top_k=2, sizes=[2, 4, 99], repeats=1, calibration_rounds=2,
+                             calibration_prompts=calib)
     assert [r["total_tokens"] for r in rows] == [2, 4, 11]  # capped at the pool size + 1
     for r in rows:
         assert r["batch"] == 2
         for k in ("draft_ms", "verify_ms", "accept_ms", "round_ms", "plain_step_ms"):
             assert r[k] > 0
         assert 1.0 <= r["expected_tau"] <= 1 + (r["total_tokens"] - 1)
+        assert 1.0 <= r["estimated_tau"] <= 1 + (r["total_tokens"] - 1)
+    assert [r["expected_tau"] for r in rows] == sorted(r["expected_tau"] for r in rows)  # nested trees
     roundcost.write(rows, str(tmp_path))
     saved = json.load(open(tmp_path / "roundcost.json"))
     assert saved["chosen"]["2"]["total_tokens"] in (2, 4, 11)
