@@ -14,6 +14,7 @@ from flax import struct
 from .cache import KVCache
 from .config import TreeConfig
 from .draft import EagleDraft, draft_apply
+from .layers import dense_dot_general
 from .model import Llama, target_embed, target_logits
 
 
@@ -54,7 +55,8 @@ def draft_topk(tmodule: Llama, tparams, dparams, h, k: int):
     if vh is None:
         score, tok = jax.lax.top_k(_log_softmax_f32(target_logits(tmodule, tparams, h)), k)
         return score, tok.astype(jnp.int32)
-    logits = jnp.einsum("...d,dv->...v", h, vh["w"], preferred_element_type=jnp.float32)
+    dot = dense_dot_general(getattr(tmodule, "few_row_kernels", False))  # [..., D] @ [D, V'], few-row kernel on CPU
+    logits = dot(h, vh["w"], (((h.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     score, idx = jax.lax.top_k(_log_softmax_f32(logits), k)
     return score, jnp.take(vh["ids"], idx).astype(jnp.int32)
 
