@@ -1,0 +1,108 @@
+"""Where a round's time goes: per-XLA-op totals of one EAGLE-2 round against one plain step.
+
+    PYTHONPATH=. python scripts/profile_round.py [--batch 1] [--total-tokens 2] [--depth 4] [--top-k 4]
+        [--steps 10] [--timeline] [--timeline-min-ms 0.2] [--timeline-until-ms INF]
+
+Traces --steps donated rounds (and plain steps) with the JAX profiler on a mid-generation state
+of the shipped SmolLM2 head and prints, per program, the wall time of each traced execution, the
+total per op kind (XLA threads only) and the top events (ms per step). Op names are XLA's
+fusion/thunk names; `ffi_call` is the few-row kernel on the CPU backend. --timeline lists, in start
+order, the events of the slowest traced execution (for finding gaps and slow layers).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import tempfile
+
+
+def _events(trace_dir):
+    """(plane, line, name, start_ns, duration_ns) of every traced event."""
+    from jax.profiler import ProfileData
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    return [(plane.name, line.name, ev.name, ev.start_ns, ev.duration_ns)
+            for plane in ProfileData.from_file(path).planes for line in plane.lines for ev in line.events]
+
+
+def _report(evs, steps, top, timeline, min_ms, until_ms):
+    xla = [e for e in evs if e[1].startswith("tf_XLA")]
+    execs = sorted((e for e in xla if e[2] == "ThunkExecutor::Execute" and e[4] > 1e6), key=lambda e: e[3])
+    print("executions over 1 ms (wall ms):", " ".join(f"{e[4] / 1e6:.1f}" for e in execs))
+    kinds = collections.Counter()
+    for e in xla:
+        if not e[2].startswith(("ThunkExecutor", "end: ")):
+            kinds[re.sub(r"[.]\d+$", "", e[2])] += e[4]
+    print("per op kind (ms per step):", ", ".join(f"{k} {v / steps / 1e6:.2f}" for k, v in kinds.most_common(12)))
+    per = collections.Counter()
+    for e in evs:
+        per[(e[1], e[2])] += e[4]
+    for (line, op), ns in per.most_common(top):
+        print(f"{ns / steps / 1e6:9.3f}  {op[:90]}  [{line[:30]}]")
+    if timeline and execs:
+        slow = max(execs, key=lambda e: e[4])
+        t0, t1 = slow[3], slow[3] + slow[4]
+        print(f"timeline of the slowest execution ({slow[4] / 1e6:.1f} ms): start ms, +duration ms, thread, op")
+        for e in sorted((e for e in xla if t0 <= e[3] <= t1), key=lambda e: e[3]):
+            if e[4] >= min_ms * 1e6 and (e[3] - t0) / 1e6 <= until_ms and not e[2].startswith("end: "):
+                print(f"{(e[3] - t0) / 1e6:8.2f} +{e[4] / 1e6:6.2f}  {e[1][-8:]}  {e[2]}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--total-tokens", type=int, default=2)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=20, help="events listed per program")
+    ap.add_argument("--timeline", action="store_true", help="list the slowest execution's events in order")
+    ap.add_argument("--timeline-min-ms", type=float, default=0.2)
+    ap.add_argument("--timeline-until-ms", type=float, default=float("inf"))
+    args = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from eagle2_jax import load_draft, load_target
+    from eagle2_jax.autotune import fresh_copy
+    from eagle2_jax.batching import eos_value, prepare_batch
+    from eagle2_jax.config import SamplingConfig, TreeConfig
+    from eagle2_jax.eagle import INIT, STEP, STREAM_STEP, scratch_slots
+    from eagle2_jax import vanilla
+    from infer.roundcost import load_prompts
+
+    target = load_target("smollm2-135m-instruct")
+    draft = load_draft("smollm2-135m-instruct", target)
+    tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
+    tree, s, max_new = TreeConfig(args.depth, args.top_k, args.total_tokens), SamplingConfig(), 256
+    prompts = load_prompts(target, None, args.batch)
+    b = prepare_batch(prompts, max_new, vocab_size=target.config.vocab_size,
+                      max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree))
+    prompt, plen, active = vanilla._device_inputs(target, b)
+    st = INIT(tp, dp, prompt, plen, active, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0),
+              tmodule=tm, dmodule=dm, cache_len=b.cache_len, out_len=b.max_new + tree.max_accept, sampling=s,
+              tree=tree, mesh=None)
+    for _ in range(8):
+        st = STEP(tp, dp, st, tmodule=tm, dmodule=dm, sampling=s, tree=tree)
+    eagle = lambda x: STREAM_STEP(tp, dp, x, tmodule=tm, dmodule=dm, sampling=s, tree=tree)  # noqa: E731
+    bp = vanilla._prepare(target, prompts, max_new, slack=1)
+    pprompt, pplen, pactive = vanilla._device_inputs(target, bp)
+    pst = vanilla.INIT(tp, pprompt, pplen, pactive, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0),
+                       module=tm, cache_len=bp.cache_len, out_len=bp.max_new + 1, sampling=s, mesh=None)
+    plain = lambda x: vanilla.STREAM_STEP(tp, x, module=tm, sampling=s)  # noqa: E731
+    for name, fn, state in (("eagle round", eagle, st), ("plain step", plain, pst)):
+        jax.block_until_ready(fn(fresh_copy(state)))  # compile + warm
+        copies = [fresh_copy(state) for _ in range(args.steps)]
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d)
+            for c in copies:
+                jax.block_until_ready(fn(c))
+            jax.profiler.stop_trace()
+            evs = _events(d)
+        print(f"\n== {name} (batch {args.batch}, tree {tree}) ==")
+        _report(evs, args.steps, args.top, args.timeline, args.timeline_min_ms, args.timeline_until_ms)
+
+
+if __name__ == "__main__":
+    main()
