@@ -19,14 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import TreeConfig
-from .eagle import INIT, STEP, STREAM_STEP, scratch_slots
-from .batching import eos_value, prepare_batch
+from .eagle import STEP, STREAM_STEP, start
 from .programs import Program
-from .sharding import batch_multiple
 from .model import target_apply, target_logits
 from .tree import expand, rerank
 from .verify import accept_greedy
-from .vanilla import _device_inputs
 
 CANDIDATES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -129,15 +126,7 @@ def choose_tree(target, draft, prompts, *, depth: int = 5, top_k: int = 10, cand
     cands = sorted({min(n, pool_size + 1) for n in candidates})
     big = TreeConfig(depth, top_k, cands[-1])
     sampling = SamplingConfig()
-    b = prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
-                      max_positions=target.config.max_position_embeddings, slack=scratch_slots(big),
-                      batch_multiple=batch_multiple(target.mesh))
-    prompt, plen, active = _device_inputs(target, b)
-    args = (target.params, draft.params, prompt, plen, active, jnp.int32(max_new_tokens),
-            jnp.int32(eos_value(None)), jnp.uint32(0))
-    static = dict(tmodule=target.module, dmodule=draft.module, cache_len=b.cache_len,
-                  out_len=b.max_new + big.max_accept, sampling=sampling, tree=big, mesh=target.mesh)
-    st = INIT(*args, **static)
+    st, b = start(target, draft, prompts, max_new_tokens=max_new_tokens, tree=big, sampling=sampling)
     dyn = (target.params, draft.params)
     mods = dict(tmodule=target.module, dmodule=draft.module)
     acc, st = calibrate(target, draft, st, big, calibration_rounds)

@@ -7,6 +7,7 @@ embedding and LM head are shared, never copied into the draft's params.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -84,13 +85,19 @@ def _dummy_inputs(config, dtype):
     return z, z, jnp.zeros((B, T), jnp.int32), cache, causal_mask(B, T)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(module: EagleDraft, key):
+    """Random parameters; compiled once per module (modules compare by configuration and dtype)."""
+    return module.init(key, *_dummy_inputs(module.config, module.dtype))["params"]
+
+
 def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, **config_overrides) -> Draft:
     """A randomly initialised draft head fitting `target` (for tests and training from scratch)."""
     dt = resolve_dtype(dtype) if dtype is not None else target.dtype
     config = draft_config_for(target.config, **config_overrides)
     check_compatible(config, target.config)
     module = EagleDraft(config, bias, dt)
-    params = jax.jit(lambda k: module.init(k, *_dummy_inputs(config, dt)))(jax.random.PRNGKey(seed))["params"]
+    params = _init_params(module, jax.random.PRNGKey(seed))
     from .sharding import shard_params
     return Draft(config, shard_params(params, target.mesh), bias, dt)
 

@@ -149,6 +149,27 @@ LOOP, INIT, STEP = Program(_loop, _STATIC), Program(_init, _STATIC), Program(_st
 STREAM_STEP = Program(_step, ("tmodule", "dmodule", "sampling", "tree"), donate=("st",))
 
 
+def _program_inputs(target: Target, draft: Draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree):
+    """The padded batch, the dynamic arguments and the static settings of LOOP / INIT."""
+    b = prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
+                      max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree),
+                      batch_multiple=batch_multiple(target.mesh))
+    prompt, plen, active = _device_inputs(target, b)
+    args = (target.params, draft.params, prompt, plen, active, jnp.int32(max_new_tokens),
+            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
+    static = dict(tmodule=target.module, dmodule=draft.module, cache_len=b.cache_len,
+                  out_len=b.max_new + tree.max_accept, sampling=sampling, tree=tree, mesh=target.mesh)
+    return b, args, static
+
+
+def start(target: Target, draft: Draft, prompts, *, max_new_tokens: int, tree: TreeConfig,
+          sampling: SamplingConfig = SamplingConfig(), eos_token_id: Optional[int] = None, seed: int = 0):
+    """(state after prefill and the first token, padded batch): for tools that step rounds themselves
+    (STEP / STREAM_STEP with `tree` or any smaller tree of the same depth and top_k)."""
+    b, args, static = _program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
+    return INIT(*args, **static), b
+
+
 def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None, seed: int = 0,
              tree: TreeConfig = TreeConfig(), stream: Optional[Callable[[int, list], None]] = None,
@@ -166,14 +187,7 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     sampling = SamplingConfig(temperature, top_k, top_p)
     if tree.top_k > target.config.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({target.config.vocab_size})")
-    b = prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
-                      max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree),
-                      batch_multiple=batch_multiple(target.mesh))
-    prompt, plen, active = _device_inputs(target, b)
-    args = (target.params, draft.params, prompt, plen, active, jnp.int32(max_new_tokens),
-            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
-    static = dict(tmodule=target.module, dmodule=draft.module, cache_len=b.cache_len,
-                  out_len=b.max_new + tree.max_accept, sampling=sampling, tree=tree, mesh=target.mesh)
+    b, args, static = _program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
     st = run(LOOP, INIT, STREAM_STEP, args, static, (target.params, draft.params),
              dict(tmodule=target.module, dmodule=draft.module, sampling=sampling, tree=tree), b.num_rows,
              stream, timings, compile_only)

@@ -9,6 +9,7 @@ Param tree (per-layer params unstacked so no layer slice is ever copied on the h
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -109,13 +110,18 @@ class Target:
         return sum(x.size for x in jax.tree_util.tree_leaves(self.params))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(module: Llama, key):
+    """Random parameters; compiled once per module (modules compare by configuration and dtype)."""
+    return module.init(key, jnp.zeros((1, 2), jnp.int32), method=Llama.init_all)["params"]
+
+
 def init_target(config: ModelConfig, seed: int = 0, dtype="float32", mesh=None) -> Target:
     """A randomly initialised target (for tests and timing)."""
     from .sharding import shard_params
     dt = resolve_dtype(dtype)
     module = Llama(config, dt)
-    params = jax.jit(lambda k: module.init(k, jnp.zeros((1, 2), jnp.int32), method=Llama.init_all))(
-        jax.random.PRNGKey(seed))["params"]
+    params = _init_params(module, jax.random.PRNGKey(seed))
     params = shard_params(params, mesh)
     return Target(config, params, None, dt, mesh)
 

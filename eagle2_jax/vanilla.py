@@ -111,6 +111,24 @@ def _device_inputs(target: Target, b):
     return arrays
 
 
+def _program_inputs(target: Target, prompts, max_new_tokens, eos_token_id, seed, sampling):
+    """The padded batch, the dynamic arguments and the static settings of LOOP / INIT."""
+    b = _prepare(target, prompts, max_new_tokens, slack=1)
+    prompt, plen, active = _device_inputs(target, b)
+    args = (target.params, prompt, plen, active, jnp.int32(max_new_tokens),
+            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
+    static = dict(module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=sampling,
+                  mesh=target.mesh)
+    return b, args, static
+
+
+def start(target: Target, prompts, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
+          eos_token_id: Optional[int] = None, seed: int = 0):
+    """(state after prefill and the first token, padded batch): for tools that step decoding themselves."""
+    b, args, static = _program_inputs(target, prompts, max_new_tokens, eos_token_id, seed, sampling)
+    return INIT(*args, **static), b
+
+
 def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None,
                      seed: int = 0, stream: Optional[Callable[[int, list], None]] = None,
@@ -122,12 +140,7 @@ def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperatur
     these prompts and settings need (cached for later calls), runs nothing and returns None.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
-    b = _prepare(target, prompts, max_new_tokens, slack=1)
-    prompt, plen, active = _device_inputs(target, b)
-    args = (target.params, prompt, plen, active, jnp.int32(max_new_tokens),
-            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
-    static = dict(module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=sampling,
-                  mesh=target.mesh)
+    b, args, static = _program_inputs(target, prompts, max_new_tokens, eos_token_id, seed, sampling)
     st = run(LOOP, INIT, STREAM_STEP, args, static, (target.params,), dict(module=target.module, sampling=sampling),
              b.num_rows, stream, timings, compile_only)
     if compile_only:

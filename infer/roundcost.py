@@ -108,16 +108,11 @@ def _parts():
 
 
 def _plain_step_ms(target, prompts, repeats, max_new=256):
-    import jax.numpy as jnp
     from eagle2_jax.config import SamplingConfig
     from eagle2_jax.autotune import fresh_copy
-    from eagle2_jax.vanilla import INIT, STREAM_STEP, _device_inputs, _prepare
-    from eagle2_jax.batching import eos_value
+    from eagle2_jax.vanilla import STREAM_STEP, start
     s = SamplingConfig()
-    b = _prepare(target, prompts, max_new, slack=1)
-    prompt, plen, active = _device_inputs(target, b)
-    st = INIT(target.params, prompt, plen, active, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0),
-              module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=s, mesh=None)
+    st, _ = start(target, prompts, max_new_tokens=max_new, sampling=s)
     return _best(lambda st_: STREAM_STEP(target.params, st_, module=target.module, sampling=s),
                  lambda: (fresh_copy(st),), repeats)
 
@@ -141,12 +136,9 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     Caches are sized for max_new new tokens, as a generation of that length sizes them (attention
     runs over the whole padded cache). Acceptance is measured over `calibration_prompts` when given
     (and more than the batch), else over the batch itself."""
-    import jax.numpy as jnp
     from eagle2_jax.autotune import calibrate, fresh_copy
-    from eagle2_jax.batching import eos_value, prepare_batch
     from eagle2_jax.config import SamplingConfig, TreeConfig
-    from eagle2_jax.eagle import INIT, STEP, scratch_slots
-    from eagle2_jax.vanilla import _device_inputs
+    from eagle2_jax.eagle import STEP, start
     batch = len(prompts)
     pool_size = top_k + depth * top_k * top_k
     sizes = sorted({min(n, pool_size + 1) for n in sizes})
@@ -154,12 +146,7 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     s = SamplingConfig()
 
     def state(ps):
-        b = prepare_batch(ps, max_new, vocab_size=target.config.vocab_size,
-                          max_positions=target.config.max_position_embeddings, slack=scratch_slots(big))
-        prompt, plen, active = _device_inputs(target, b)
-        return INIT(tp, dp, prompt, plen, active, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0),
-                    tmodule=tm, dmodule=dm, cache_len=b.cache_len, out_len=b.max_new + big.max_accept, sampling=s,
-                    tree=big, mesh=None)
+        return start(target, draft, ps, max_new_tokens=max_new, tree=big, sampling=s)[0]
 
     tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
     # measured greedy acceptance of every size along a real walk (autotune.calibrate), over the calibration

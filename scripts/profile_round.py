@@ -63,12 +63,10 @@ def main(argv=None):
     ap.add_argument("--timeline-until-ms", type=float, default=float("inf"))
     args = ap.parse_args(argv)
     import jax
-    import jax.numpy as jnp
     from eagle2_jax import load_draft, load_target
     from eagle2_jax.autotune import fresh_copy
-    from eagle2_jax.batching import eos_value, prepare_batch
     from eagle2_jax.config import SamplingConfig, TreeConfig
-    from eagle2_jax.eagle import INIT, STEP, STREAM_STEP, scratch_slots
+    from eagle2_jax.eagle import STEP, STREAM_STEP, start
     from eagle2_jax import vanilla
     from infer.roundcost import load_prompts
 
@@ -77,19 +75,11 @@ def main(argv=None):
     tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
     tree, s, max_new = TreeConfig(args.depth, args.top_k, args.total_tokens), SamplingConfig(), 256
     prompts = load_prompts(target, None, args.batch)
-    b = prepare_batch(prompts, max_new, vocab_size=target.config.vocab_size,
-                      max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree))
-    prompt, plen, active = vanilla._device_inputs(target, b)
-    st = INIT(tp, dp, prompt, plen, active, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0),
-              tmodule=tm, dmodule=dm, cache_len=b.cache_len, out_len=b.max_new + tree.max_accept, sampling=s,
-              tree=tree, mesh=None)
+    st, _ = start(target, draft, prompts, max_new_tokens=max_new, tree=tree, sampling=s)
     for _ in range(8):
         st = STEP(tp, dp, st, tmodule=tm, dmodule=dm, sampling=s, tree=tree)
     eagle = lambda x: STREAM_STEP(tp, dp, x, tmodule=tm, dmodule=dm, sampling=s, tree=tree)  # noqa: E731
-    bp = vanilla._prepare(target, prompts, max_new, slack=1)
-    pprompt, pplen, pactive = vanilla._device_inputs(target, bp)
-    pst = vanilla.INIT(tp, pprompt, pplen, pactive, jnp.int32(max_new), jnp.int32(eos_value(None)), jnp.uint32(0),
-                       module=tm, cache_len=bp.cache_len, out_len=bp.max_new + 1, sampling=s, mesh=None)
+    pst, _ = vanilla.start(target, prompts, max_new_tokens=max_new, sampling=s)
     plain = lambda x: vanilla.STREAM_STEP(tp, x, module=tm, sampling=s)  # noqa: E731
     for name, fn, state in (("eagle round", eagle, st), ("plain step", plain, pst)):
         jax.block_until_ready(fn(fresh_copy(state)))  # compile + warm

@@ -22,22 +22,15 @@ def test_choose_tree_oracle():
 def test_calibration_reads_off_what_every_smaller_tree_accepts():
     """autotune's measured acceptance: a round of the big tree, read for size n, must equal a real
     round of the n-node tree from the same state (row by row, over several states of a walk)."""
-    import jax.numpy as jnp
     import numpy as np
     from eagle2_jax.autotune import ACCEPT_RANKS
-    from eagle2_jax.batching import eos_value, prepare_batch
     from eagle2_jax.config import SamplingConfig
-    from eagle2_jax.eagle import INIT, STEP, scratch_slots
-    from eagle2_jax.vanilla import _device_inputs
+    from eagle2_jax.eagle import STEP, start
     t, d, _ = permutation_oracle(0, layer_scale=1.5)  # partly predictable: acceptance varies with n
     big, sizes = TreeConfig(3, 3, 20), (2, 3, 4, 8, 20)
     s = SamplingConfig()
     mods = dict(tmodule=t.module, dmodule=d.module)
-    b = prepare_batch([[1, 2, 3], [4, 5], [7, 8, 9, 10], [11]], 32, vocab_size=64, max_positions=512,
-                      slack=scratch_slots(big))
-    prompt, plen, active = _device_inputs(t, b)
-    st = INIT(t.params, d.params, prompt, plen, active, jnp.int32(32), jnp.int32(eos_value(None)), jnp.uint32(0),
-              cache_len=b.cache_len, out_len=b.max_new + big.max_accept, sampling=s, tree=big, mesh=None, **mods)
+    st, _ = start(t, d, [[1, 2, 3], [4, 5], [7, 8, 9, 10], [11]], max_new_tokens=32, tree=big, sampling=s)
     seen = set()
     for _ in range(3):
         ranks, _, act = (np.asarray(x) for x in ACCEPT_RANKS(t.params, d.params, st, tree=big, **mods))

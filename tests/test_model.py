@@ -2,6 +2,7 @@
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,10 +83,11 @@ def test_cache_path_equals_full_forward():
     cache = init_cache(2, 2, 32, 2, 8, jnp.float32)
     # prefill 5 tokens, then 1, then 6 at once through the cache
     outs = []
+    apply = jax.jit(target_apply, static_argnums=0)
     for lo, hi in ((0, 5), (5, 6), (6, 12)):
         T = hi - lo
         pos = jnp.broadcast_to(jnp.arange(lo, hi), (2, T)).astype(jnp.int32)
-        f, cache = target_apply(m, t.params, jnp.asarray(ids[:, lo:hi]), pos, cache, causal_mask(2, T))
+        f, cache = apply(m, t.params, jnp.asarray(ids[:, lo:hi]), pos, cache, causal_mask(2, T))
         cache = advance(cache, jnp.full((2,), T, jnp.int32))
         outs.append(np.asarray(target_logits(m, t.params, f)))
     np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-5, rtol=0)

@@ -7,7 +7,9 @@ from eagle2_jax.sharding import param_shardings
 from helpers import tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-LAYOUTS = [(1, 2), (2, 1), (2, 4), (1, 8), (4, 2)]
+# (2, 4) shards data and model at once, (1, 8) splits 4 KV heads over 8 devices, (4, 2) the batch 4 ways;
+# the two-device layouts add little beyond them and run with -m slow.
+LAYOUTS = [(2, 4), (1, 8), (4, 2)] + [pytest.param(*dm, marks=pytest.mark.slow) for dm in ((1, 2), (2, 1))]
 CFG = tiny_config(num_attention_heads=8, num_key_value_heads=4, hidden_size=64, intermediate_size=128)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")

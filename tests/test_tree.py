@@ -61,7 +61,8 @@ def test_rerank_properties(K, D, frac, seed, ties):
     pools = [synthetic_pool(rng, K, D, ties) for _ in range(B)]
     pool = Pool(*(jnp.asarray(np.stack([p[i] for p in pools])) for i in range(3)))
     roots = jnp.asarray(rng.integers(0, 50, B), jnp.int32)
-    t = jax.jit(rerank, static_argnums=2)(pool, roots, cfg)
+    rr = jax.jit(rerank, static_argnums=2)
+    t = rr(pool, roots, cfg)
     for b in range(B):
         tok, par, anc, dep = (np.asarray(x[b]) for x in (t.tokens_BN, t.parents_BN, t.ancestors_BNN, t.depths_BN))
         check_tree(tok, par, anc, dep, *pools[b], N, int(roots[b]))
@@ -71,8 +72,8 @@ def test_rerank_properties(K, D, frac, seed, ties):
             sel = np.sort(np.asarray(jax.lax.top_k(pool.scores_BP[b], N - 1)[1]))
             np.testing.assert_array_equal(tok[1:], pools[b][0][sel])
         # each row alone gives the same tree: no cross-row gathers
-        alone = rerank(Pool(*(x[b:b + 1] for x in (pool.tokens_BP, pool.scores_BP, pool.parents_BP))),
-                       roots[b:b + 1], cfg)
+        alone = rr(Pool(*(x[b:b + 1] for x in (pool.tokens_BP, pool.scores_BP, pool.parents_BP))),
+                   roots[b:b + 1], cfg)
         np.testing.assert_array_equal(np.asarray(alone.parents_BN[0]), par)
         np.testing.assert_array_equal(np.asarray(alone.tokens_BN[0]), tok)
 
@@ -125,14 +126,15 @@ def test_skipped_draft_passes_leave_the_tree_unchanged():
     hidden = jax.random.normal(jax.random.PRNGKey(0), (B, c.hidden_size))
     roots = jnp.asarray([1, 2, 3, 4], jnp.int32)
     full_cfg = TreeConfig(D, K, 1 + K + D * K * K)
-    full_pool, _ = expand(t.module, t.params, d.module, d.params, dcache, hidden, full_cfg)
+    expand_jit, rerank_jit = jax.jit(expand, static_argnums=(0, 2, 6)), jax.jit(rerank, static_argnums=2)
+    full_pool, _ = expand_jit(t.module, t.params, d.module, d.params, dcache, hidden, full_cfg)
     deepest = 0
     for N in (1, 2, 3, 4, 5, 6):
         cfg = TreeConfig(D, K, N)
         assert cfg.passes == max(0, min(D, N - 2))
-        pool, _ = expand(t.module, t.params, d.module, d.params, dcache, hidden, cfg)
+        pool, _ = expand_jit(t.module, t.params, d.module, d.params, dcache, hidden, cfg)
         assert pool.tokens_BP.shape[1] == K + cfg.passes * K * K
-        short, ref = rerank(pool, roots, cfg), rerank(full_pool, roots, cfg)
+        short, ref = rerank_jit(pool, roots, cfg), rerank_jit(full_pool, roots, cfg)
         for a, b in zip((short.tokens_BN, short.parents_BN, short.depths_BN, short.ancestors_BNN),
                         (ref.tokens_BN, ref.parents_BN, ref.depths_BN, ref.ancestors_BNN)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -14,10 +14,14 @@ def target():
     return init_target(tiny_config(), 0)
 
 
-def _reference_greedy(target, prompt, n):
+def _reference_greedy(target, prompt, n, width=32):
+    """Argmax of full causal forwards, right-padded to one width (one compile; causal: padding after
+    the last real token cannot change its logits)."""
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(np.argmax(np.asarray(forward(target, [ids]))[0, -1])))
+        assert len(ids) <= width
+        logits = np.asarray(forward(target, [ids + [0] * (width - len(ids))]))[0, len(ids) - 1]
+        ids.append(int(np.argmax(logits)))
     return ids[len(prompt):]
 
 
