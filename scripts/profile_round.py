@@ -1,13 +1,15 @@
 """Where a round's time goes: per-XLA-op totals of one EAGLE-2 round against one plain step.
 
     PYTHONPATH=. python scripts/profile_round.py [--batch 1] [--total-tokens 2] [--depth 4] [--top-k 4]
-        [--steps 10] [--timeline] [--timeline-min-ms 0.2] [--timeline-until-ms INF]
+        [--steps 10] [--timeline] [--timeline-min-ms 0.2] [--timeline-until-ms INF] [--by-shape]
 
 Traces --steps donated rounds (and plain steps) with the JAX profiler on a mid-generation state
 of the shipped SmolLM2 head and prints, per program, the wall time of each traced execution, the
 total per op kind (XLA threads only) and the top events (ms per step). Op names are XLA's
 fusion/thunk names; `ffi_call` is the few-row kernel on the CPU backend. --timeline lists, in start
-order, the events of the slowest traced execution (for finding gaps and slow layers).
+order, the events of the slowest traced execution (for finding gaps and slow layers). --by-shape
+groups the kernel calls by operand shapes (x rows x K, the weight; `T`: a tied LM head) and lists
+the costliest other ops with their HLO text, read from the compiled program.
 """
 from __future__ import annotations
 
@@ -50,6 +52,32 @@ def _report(evs, steps, top, timeline, min_ms, until_ms):
                 print(f"{(e[3] - t0) / 1e6:8.2f} +{e[4] / 1e6:6.2f}  {e[1][-8:]}  {e[2]}")
 
 
+_FFI = re.compile(r"%(ffi_call(?:\.\d+)?) = .*?operand_layout_constraints=\{f32\[([\d,]*)\]\{[\d,]*\}, "
+                  r"f32\[([\d,]*)\].*?transpose_w = (\w+)")
+
+
+def _by_shape(evs, steps, hlo_text, top):
+    """Kernel calls per operand shapes, then the costliest other ops with their HLO lines."""
+    shape_of = {m.group(1): (m.group(2), m.group(3) + ("T" if m.group(4) == "true" else ""))
+                for m in _FFI.finditer(hlo_text)}
+    lines = {m.group(1): m.group(0)[:200] for m in re.finditer(r"%([\w.-]+) = [^\n]*", hlo_text)}
+    calls, other = collections.defaultdict(list), collections.Counter()
+    for _, line, name, _, dur in evs:
+        if not line.startswith("tf_XLA") or name.startswith(("ThunkExecutor", "end: ", "Threadpool")):
+            continue
+        if name.startswith("ffi_call"):
+            calls[shape_of.get(name, ("?", "?"))].append(dur / 1e6)
+        else:
+            other[name] += dur / 1e6 / steps
+    print("kernel calls by shape: x [rows, K], w; calls per step, median ms, ms per step")
+    for (x, w), ds in sorted(calls.items(), key=lambda kv: -sum(kv[1])):
+        ds.sort()
+        print(f"  x[{x}] w[{w}]: {len(ds) // steps}, {ds[len(ds) // 2]:.3f}, {sum(ds) / steps:.2f}")
+    print(f"other ops (ms per step): {sum(other.values()):.2f} in all; the costliest:")
+    for name, ms in other.most_common(top):
+        print(f"  {ms:6.3f}  {lines.get(name, name)}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -61,6 +89,8 @@ def main(argv=None):
     ap.add_argument("--timeline", action="store_true", help="list the slowest execution's events in order")
     ap.add_argument("--timeline-min-ms", type=float, default=0.2)
     ap.add_argument("--timeline-until-ms", type=float, default=float("inf"))
+    ap.add_argument("--by-shape", action="store_true",
+                    help="kernel calls by operand shapes and the costliest other ops with their HLO")
     args = ap.parse_args(argv)
     import jax
     from eagle2_jax import load_draft, load_target
@@ -78,10 +108,13 @@ def main(argv=None):
     st, _ = start(target, draft, prompts, max_new_tokens=max_new, tree=tree, sampling=s)
     for _ in range(8):
         st = STEP(tp, dp, st, tmodule=tm, dmodule=dm, sampling=s, tree=tree)
-    eagle = lambda x: STREAM_STEP(tp, dp, x, tmodule=tm, dmodule=dm, sampling=s, tree=tree)  # noqa: E731
+    eagle_static = dict(tmodule=tm, dmodule=dm, sampling=s, tree=tree)
+    eagle = lambda x: STREAM_STEP(tp, dp, x, **eagle_static)  # noqa: E731
+    eagle_hlo = lambda: STREAM_STEP.compile(tp, dp, st, **eagle_static).as_text()  # noqa: E731
     pst, _ = vanilla.start(target, prompts, max_new_tokens=max_new, sampling=s)
     plain = lambda x: vanilla.STREAM_STEP(tp, x, module=tm, sampling=s)  # noqa: E731
-    for name, fn, state in (("eagle round", eagle, st), ("plain step", plain, pst)):
+    plain_hlo = lambda: vanilla.STREAM_STEP.compile(tp, pst, module=tm, sampling=s).as_text()  # noqa: E731
+    for name, fn, state, hlo in (("eagle round", eagle, st, eagle_hlo), ("plain step", plain, pst, plain_hlo)):
         jax.block_until_ready(fn(fresh_copy(state)))  # compile + warm
         copies = [fresh_copy(state) for _ in range(args.steps)]
         with tempfile.TemporaryDirectory() as d:
@@ -92,6 +125,8 @@ def main(argv=None):
             evs = _events(d)
         print(f"\n== {name} (batch {args.batch}, tree {tree}) ==")
         _report(evs, args.steps, args.top, args.timeline, args.timeline_min_ms, args.timeline_until_ms)
+        if args.by_shape:
+            _by_shape(evs, args.steps, hlo(), args.top)
 
 
 if __name__ == "__main__":
