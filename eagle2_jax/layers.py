@@ -74,18 +74,55 @@ class RMSNorm(nn.Module):
         return scale.reshape((1,) * (x.ndim - 1) + (-1,)) * xf.astype(self.dtype)
 
 
-def attend(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
+def attend(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, kernel: bool = False):
     """Softmax attention over cache slots and this call's own keys/values together.
 
-    Float32 scores and softmax; (B, K) batched matmuls with no cache transpose.
+    Float32 scores and softmax; (B, K) batched matmuls with no cache transpose. With `kernel`
+    (float32 caches, the few-row kernels enabled, EAGLE2_JAX_CPU_ATTENTION not "0") the CPU kernel
+    `cpu_kernels.attention` runs it instead, reading only unmasked slots (gradients go through the
+    XLA path).
     """
+    B, T, H, Dh = q_BTHD.shape
+    if (kernel and k_BKSD.dtype == jnp.float32 and k_new_BKTD.dtype == jnp.float32
+            and few_rows.attention_enabled()):
+        return _attend_kernel(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT)
+    return _attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT)
+
+
+def _query_rows(q_BTHD, K):
+    """[B, T, H, Dh] -> [B, K, G * T, Dh] float32, scaled: query rows m = g * T + t."""
+    B, T, H, Dh = q_BTHD.shape
+    G = H // K
+    q = q_BTHD.astype(jnp.float32).reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, Dh)
+    return q * (1.0 / math.sqrt(Dh))
+
+
+@jax.custom_vjp
+def _attend_kernel(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
+    B, T, H, Dh = q_BTHD.shape
+    K = k_BKSD.shape[1]
+    out = few_rows.attention(_query_rows(q_BTHD, K), k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD,
+                             mask_new_BTT)
+    return out.reshape(B, K, H // K, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
+
+
+def _attend_kernel_fwd(*args):
+    return _attend_kernel(*args), args
+
+
+def _attend_kernel_bwd(args, g):
+    return jax.vjp(_attend_xla, *args)[1](g)
+
+
+_attend_kernel.defvjp(_attend_kernel_fwd, _attend_kernel_bwd)
+
+
+def _attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
     B, T, H, Dh = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     G = H // K
     f32 = jnp.float32
-    # query rows m = g * T + t
-    q = q_BTHD.astype(f32).reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, Dh)
-    q = q * (1.0 / math.sqrt(Dh))
+    q = _query_rows(q_BTHD, K)
     dot = lambda eq, a, b: jnp.einsum(eq, a.astype(b.dtype), b, preferred_element_type=f32)  # noqa: E731
     # scores slot-major, [B, K, slots, M]: with few query rows (decoding) XLA's CPU matmuls are
     # several times faster in this orientation than with the rows first
@@ -197,7 +234,7 @@ class Attention(nn.Module):
         k = apply_rope(k, positions_BT, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
         v = v.transpose(0, 2, 1, 3)
         kc, vc = k.astype(cache_k.dtype), v.astype(cache_v.dtype)  # as a cache read would give
-        out = attend(q, cache_k, cache_v, masks[0], kc, vc, masks[1])
+        out = attend(q, cache_k, cache_v, masks[0], kc, vc, masks[1], kernel=self.few_row_kernels)
         dep = after(out).astype(cache_k.dtype)
         cache_k = write_rows(cache_k, kc + dep, write_at_B)
         cache_v = write_rows(cache_v, vc + dep, write_at_B)

@@ -95,3 +95,52 @@ def test_target_uses_the_kernel_on_one_device_only(monkeypatch):
         from eagle2_jax import make_mesh
         sharded = init_target(cfg, mesh=make_mesh(model=2, devices=jax.devices()[:2]))
         assert not sharded.module.few_row_kernels
+
+
+def _attention_inputs(rng, B, T, H, K, S, Dh, p=0.6):
+    f = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    mask = jnp.asarray(rng.random((B, T, S)) < p)
+    mask_new = jnp.asarray(np.tril(rng.random((B, T, T)) < 0.7) | np.eye(T, dtype=bool)[None])
+    return f(B, T, H, Dh), f(B, K, S, Dh), f(B, K, S, Dh), mask, f(B, K, T, Dh), f(B, K, T, Dh), mask_new
+
+
+@pytest.mark.parametrize("B,T,H,K,S,Dh", [(2, 4, 6, 2, 40, 64), (1, 1, 9, 3, 17, 64), (3, 5, 4, 4, 9, 12)])
+def test_attention_kernel_matches_xla_and_its_gradient(B, T, H, K, S, Dh):
+    from eagle2_jax import layers
+    args = _attention_inputs(np.random.default_rng(B * 100 + T), B, T, H, K, S, Dh)
+    ref = jax.jit(layers._attend_xla)(*args)
+    got = jax.jit(lambda *a: layers.attend(*a, kernel=True))(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=2e-6)
+    g_kernel = jax.grad(lambda q: layers.attend(q, *args[1:], kernel=True).sum())(args[0])
+    g_xla = jax.grad(lambda q: layers._attend_xla(q, *args[1:]).sum())(args[0])
+    np.testing.assert_array_equal(np.asarray(g_kernel), np.asarray(g_xla))
+
+
+def test_attention_row_sees_keys_in_cache_or_new_alike():
+    """A token verified inside a tree (its ancestors among the new keys) gets the same bits as the
+    same token decoded alone (its ancestors already in the cache), whatever else the call holds:
+    the property greedy verification leans on."""
+    from eagle2_jax import layers
+    rng = np.random.default_rng(7)
+    B, T, H, K, S, Dh, P = 2, 4, 6, 2, 30, 64, 11  # P committed slots
+    q, kc, vc, _, kn, vn, _ = _attention_inputs(rng, B, T, H, K, S, Dh)
+    chain = np.tril(np.ones((T, T), bool))  # a chain: token t sees tokens 0..t
+    mask = jnp.asarray(np.broadcast_to(np.arange(S) < P, (B, T, S)))
+    tree = jax.jit(lambda *a: layers.attend(*a, kernel=True))(q, kc, vc, mask, kn, vn,
+                                                             jnp.asarray(np.broadcast_to(chain, (B, T, T))))
+    for t in range(T):  # decode token t alone: tokens 0..t-1 written to cache slots P.., itself new
+        kc_t = kc.at[:, :, P:P + t].set(kn[:, :, :t])
+        vc_t = vc.at[:, :, P:P + t].set(vn[:, :, :t])
+        m_t = jnp.asarray(np.broadcast_to(np.arange(S) < P + t, (B, 1, S)))
+        alone = jax.jit(lambda *a: layers.attend(*a, kernel=True))(
+            q[:, t:t + 1], kc_t, vc_t, m_t, kn[:, :, t:t + 1], vn[:, :, t:t + 1], jnp.ones((B, 1, 1), bool))
+        np.testing.assert_array_equal(np.asarray(alone[:, 0]), np.asarray(tree[:, t]))
+
+
+def test_attention_switch(monkeypatch):
+    from eagle2_jax import layers
+    args = _attention_inputs(np.random.default_rng(3), 1, 2, 4, 2, 8, 16)
+    hlo = lambda: jax.jit(lambda *a: layers.attend(*a, kernel=True)).lower(*args).as_text()  # noqa: E731
+    assert few_rows.ATTENTION_TARGET in hlo()
+    monkeypatch.setenv(few_rows.ATTENTION_SWITCH, "0")
+    assert few_rows.ATTENTION_TARGET not in hlo()

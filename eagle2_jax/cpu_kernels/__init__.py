@@ -1,4 +1,4 @@
-"""Few-row float32 matmuls for XLA:CPU (an XLA FFI custom call, `few_row_matmul.cc`).
+"""Few-row float32 matmuls and attention for XLA:CPU (XLA FFI custom calls, `few_row_matmul.cc`).
 
 On a CPU, XLA runs a one-row matmul as a memory-bound matrix-vector product but 2-16 rows as a
 general GEMM that costs nearly twice as much per weight byte, so verifying a small draft tree costs
@@ -19,6 +19,12 @@ Gradients go through XLA's dot (training never runs on the kernel's few rows any
 
 Each output element is summed in the same order whatever the number of rows, so a verified row is
 bit-identical to the same row decoded alone; the greedy identity tests run with the kernel on.
+
+The same library holds `attention`, which `layers.attend` uses under the same switch for float32
+caches: a few query rows over the KV cache, reading only the slots a row's mask lets it see (XLA's
+attention computes every padded slot of the cache), each row summed over its keys in one fixed
+order, cache slots then the new keys. A token verified in a tree with its ancestors among the new
+keys therefore gets the bits it gets when decoded alone with those keys already in the cache.
 """
 from __future__ import annotations
 
@@ -38,8 +44,10 @@ import jax.numpy as jnp
 from jax import lax
 
 TARGET = "eagle2_few_row_matmul"
+ATTENTION_TARGET = "eagle2_few_row_attention"
 SOURCE = Path(__file__).with_name("few_row_matmul.cc")
 ENV_SWITCH = "EAGLE2_JAX_CPU_KERNELS"
+ATTENTION_SWITCH = "EAGLE2_JAX_CPU_ATTENTION"  # "0": attention stays on XLA (the matmuls may not)
 NN_MAX_ROWS = 8  # x @ w[K, N]
 NT_MAX_ROWS = 4  # x @ w[N, K].T
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
@@ -95,6 +103,8 @@ def load() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.eagle2_few_row_matmul),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle2_few_row_attention),
+                                    platform="cpu")
         return True
     except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot
         warnings.warn(f"eagle2_jax: few-row CPU matmul unavailable, using XLA's dot ({e})",
@@ -139,6 +149,21 @@ def _matmul_bwd(transpose_w, res, g):
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def attention_enabled() -> bool:
+    """Whether modules that use the kernels also take `attention` (EAGLE2_JAX_CPU_ATTENTION not "0")."""
+    return os.environ.get(ATTENTION_SWITCH, "1") != "0" and load()
+
+
+def attention(q_BKMD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
+    """Attention of M = G * T query rows (row m = g * T + t, already scaled) per KV head over the
+    unmasked cache slots and new keys, float32, through the kernel (no gradient: see layers.attend).
+    Each row sums over its unmasked keys in one fixed order (cache slots, then new keys), so its
+    result does not depend on the other rows or on padded slots; a row with no key gets zeros."""
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q_BKMD.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(q_BKMD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT)
 
 
 def _plan(lhs, rhs, dimension_numbers):

@@ -1,4 +1,5 @@
-// Few-row float32 matmul for XLA:CPU, registered as an XLA FFI custom call.
+// Few-row float32 matmul (and, at the end, attention) for XLA:CPU, registered
+// as XLA FFI custom calls.
 //
 // Speculative decoding on a CPU verifies a handful of token rows per step.
 // XLA:CPU's dot runs 1 row as a memory-bound matrix-vector product but 2-16
@@ -18,6 +19,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <vector>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -246,6 +249,123 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// Attention of a few new tokens over a KV cache (eagle2_jax.layers.attend).
+//
+//   q    [B, K, M, Dh]  M = G * T query rows per KV head, row m = g * T + t
+//   kc/vc [B, K, S, Dh] the cache as it was; mask [B, T, S]
+//   kn/vn [B, K, T, Dh] this call's keys/values; mask_new [B, T, T]
+//   out  [B, K, M, Dh]
+//
+// Only unmasked slots are read.  Each row's scores, maximum, exponentials
+// and sums run over its unmasked keys in one fixed order (cache slots
+// ascending, then the new keys ascending), so a row's result depends on
+// which keys it sees and never on how many other rows or padded slots the
+// call holds.  A row that sees no key gets zeros.
+struct AttnJob {
+  const float *q, *kc, *vc, *kn, *vn;
+  const bool *mask, *mask_new;
+  float* out;
+  int64_t B, K, M, S, T, Dh, G;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  static float dot(const float* a, const float* b, int64_t n) {
+    const int64_t nv = n / kLanes * kLanes;
+    vec acc = vec{};
+    for (int64_t i = 0; i < nv; i += kLanes) acc += load(a + i) * load(b + i);
+    float s = hsum(acc);
+    for (int64_t i = nv; i < n; ++i) s += a[i] * b[i];
+    return s;
+  }
+  static void axpy(float p, const float* x, float* y, int64_t n) {
+    const int64_t nv = n / kLanes * kLanes;
+    const vec pv = splat(p);
+    for (int64_t i = 0; i < nv; i += kLanes) store(y + i, load(y + i) + pv * load(x + i));
+    for (int64_t i = nv; i < n; ++i) y[i] += p * x[i];
+  }
+
+  // item = (b, k, t): the G query rows of token t on KV head k
+  void run_item(int64_t item, std::vector<float>& sc, std::vector<float>& acc) {
+    const int64_t t = item % T, bk = item / T, b = bk / K;
+    const bool* mrow = mask + (b * T + t) * S;
+    const bool* nrow = mask_new + (b * T + t) * T;
+    const float* kcb = kc + bk * S * Dh;
+    const float* vcb = vc + bk * S * Dh;
+    const float* knb = kn + bk * T * Dh;
+    const float* vnb = vn + bk * T * Dh;
+    const int64_t L = S + T;
+    sc.assign(G * L, 0.f);
+    acc.assign(G * Dh, 0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qr = q + (bk * M + g * T + t) * Dh;
+      float* o = out + (bk * M + g * T + t) * Dh;
+      float* s = sc.data() + g * L;
+      float* a = acc.data() + g * Dh;
+      float mx = -INFINITY;
+      bool any = false;
+      for (int64_t j = 0; j < S; ++j)
+        if (mrow[j]) { s[j] = dot(qr, kcb + j * Dh, Dh); mx = std::max(mx, s[j]); any = true; }
+      for (int64_t u = 0; u < T; ++u)
+        if (nrow[u]) { s[S + u] = dot(qr, knb + u * Dh, Dh); mx = std::max(mx, s[S + u]); any = true; }
+      if (!any) {
+        std::memset(o, 0, Dh * sizeof(float));
+        continue;
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < S; ++j)
+        if (mrow[j]) { const float p = std::exp(s[j] - mx); sum += p; axpy(p, vcb + j * Dh, a, Dh); }
+      for (int64_t u = 0; u < T; ++u)
+        if (nrow[u]) { const float p = std::exp(s[S + u] - mx); sum += p; axpy(p, vnb + u * Dh, a, Dh); }
+      for (int64_t d = 0; d < Dh; ++d) o[d] = a[d] / sum;
+    }
+  }
+  void work() {
+    std::vector<float> sc, acc;
+    const int64_t items = B * K * T;
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      run_item(i, sc, acc);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error FewRowAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
+                           ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> mask,
+                           ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
+                           ffi::Buffer<ffi::PRED> mask_new, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), cd = kc.dimensions(), nd = kn.dimensions();
+  if (qd.size() != 4 || cd.size() != 4 || nd.size() != 4)
+    return ffi::Error::InvalidArgument("few_row_attention: q, caches and new keys must be 4-D");
+  auto job = std::make_shared<AttnJob>();
+  job->B = qd[0]; job->K = qd[1]; job->M = qd[2]; job->Dh = qd[3];
+  job->S = cd[2]; job->T = nd[2];
+  if (job->T == 0 || job->M % job->T)
+    return ffi::Error::InvalidArgument("few_row_attention: query rows are not a multiple of new tokens");
+  job->G = job->M / job->T;
+  if (cd[0] != job->B || cd[1] != job->K || cd[3] != job->Dh || nd[0] != job->B || nd[1] != job->K ||
+      nd[3] != job->Dh || static_cast<int64_t>(mask.element_count()) != job->B * job->T * job->S ||
+      static_cast<int64_t>(mask_new.element_count()) != job->B * job->T * job->T ||
+      vc.element_count() != kc.element_count() || vn.element_count() != kn.element_count())
+    return ffi::Error::InvalidArgument("few_row_attention: shapes do not agree");
+  job->q = q.typed_data(); job->kc = kc.typed_data(); job->vc = vc.typed_data();
+  job->kn = kn.typed_data(); job->vn = vn.typed_data();
+  job->mask = mask.typed_data(); job->mask_new = mask_new.typed_data();
+  job->out = out->typed_data();
+  const int64_t items = job->B * job->K * job->T;
+  if (items == 0) return ffi::Error::Success();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = std::min<int64_t>(threads, items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < items) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_few_row_matmul, FewRowMatmul,
@@ -255,3 +375,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_few_row_matmul, FewRowMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("transpose_w"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_few_row_attention, FewRowAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
