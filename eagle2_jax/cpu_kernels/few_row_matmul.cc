@@ -207,6 +207,21 @@ struct Job {
   }
 };
 
+// Runs job->work() on the calling thread and on up to threads - 1 pool
+// threads, then waits until all `units` are done.  A helper that starts late
+// finds no unit left and only drops its reference to the job.
+template <class W>
+void share_work(ffi::ThreadPool& pool, const std::shared_ptr<W>& job, int64_t threads, int64_t units) {
+  const int64_t helpers = std::min<int64_t>(threads, units) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->done.load(std::memory_order_acquire) < units) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
 ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
                         bool transpose_w) {
@@ -238,14 +253,7 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t want = std::min<int64_t>(units, kBlocksPerThread * threads);
   job->block = (units + want - 1) / want * unit;
   job->num_blocks = (N + job->block - 1) / job->block;
-  const int64_t helpers = std::min<int64_t>(threads, job->num_blocks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < job->num_blocks) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  share_work(pool, job, threads, job->num_blocks);
   return ffi::Error::Success();
 }
 
@@ -355,14 +363,7 @@ ffi::Error FewRowAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const int64_t items = job->B * job->K * job->T;
   if (items == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = std::min<int64_t>(threads, items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < items) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  share_work(pool, job, threads, items);
   return ffi::Error::Success();
 }
 
