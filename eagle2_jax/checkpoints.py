@@ -249,7 +249,90 @@ def gguf_config(reader, path: str) -> ModelConfig:
     )
 
 
-def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True) -> Target:
+PACKED_SWITCH = "EAGLE2_JAX_PACKED"  # "0": load_gguf never packs
+_Q4_NAMES = {"attn_q": "attn/q", "attn_k": "attn/k", "attn_v": "attn/v", "attn_output": "attn/o",
+             "ffn_gate": "mlp/gate", "ffn_up": "mlp/up", "ffn_down": "mlp/down"}
+_Q4_PATTERN = r"blk\.(\d+)\.(" + "|".join(_Q4_NAMES) + r")\.weight"
+
+
+def gguf_packable(reader, config: ModelConfig, dtype, mesh) -> bool:
+    """Whether `load_gguf` can keep this file's weights packed (eagle2_jax.packed): float32 on one
+    CPU device with the kernels built, Q4_1 layer matrices and a tied Q8_0 embedding, sizes the
+    kernels' blocks divide, and EAGLE2_JAX_PACKED not "0"."""
+    from . import cpu_kernels, packed
+    if (os.environ.get(PACKED_SWITCH, "1") == "0" or dtype != jnp.float32 or mesh is not None
+            or jax.default_backend() != "cpu" or not config.tie_word_embeddings):
+        return False
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    mats = [n for n in types if re.fullmatch(_Q4_PATTERN, n)]
+    if (types.get("token_embd.weight") != "Q8_0" or "output.weight" in types
+            or len(mats) != len(_Q4_NAMES) * config.num_hidden_layers or any(types[n] != "Q4_1" for n in mats)):
+        return False
+    lanes = cpu_kernels.lanes()
+    c = config
+    outs = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size,
+            c.intermediate_size)
+    ins = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+    return bool(lanes) and all(n % (2 * lanes) == 0 for n in outs) and all(k % packed.BLOCK == 0 for k in ins)
+
+
+def _gguf_packed_params(reader, config: ModelConfig, path: str, rest_loader) -> dict:
+    """Param tree with the layer matrices and the embedding as packed leaves (eagle2_jax.packed)."""
+    from . import cpu_kernels, packed
+    lanes = cpu_kernels.lanes()
+    flat, rest = {}, {}
+    for t in reader.tensors:
+        m = re.fullmatch(_Q4_PATTERN, t.name)
+        try:
+            if t.name == "token_embd.weight":
+                q, d = packed.q8_0_blocks(t.data, config.vocab_size, config.hidden_size)
+                flat["embed"] = {"q8": jnp.asarray(q), "d": jnp.asarray(d)}
+            elif m:
+                cols, rows = (int(x) for x in t.shape)  # GGUF lists the contiguous dimension first
+                q, d, mn = packed.q4_1_blocks(t.data, rows, cols)
+                heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(m.group(2))
+                if heads:  # undo llama.cpp's RoPE row order, as _gguf_q / _gguf_k do
+                    q, d, mn = (_unpermute(a, heads) for a in (q, d, mn))
+                leaf = packed.pack_q4(q.T, d.T, mn.T, lanes)
+                flat[f"layers_{m.group(1)}/{_Q4_NAMES[m.group(2)]}/kernel"] = {
+                    k: jnp.asarray(v) for k, v in leaf.items()}
+            else:
+                rest[t.name] = rest_loader(t)
+        except ValueError as e:
+            raise CheckpointError(f"corrupt tensor {t.name} in {path}: {e}") from None
+    params = convert(rest, GGUF_TABLE, config, jnp.float32, ignore=(r"rope_freqs",))
+    for key, leaf in flat.items():
+        node = params
+        *parents, name = key.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = leaf
+    return params
+
+
+def _check_packed(params, expected, what: str):
+    """check_params for a tree with packed leaves: each stands for as many weights as expected."""
+    from . import packed
+    from .sharding import _path_str
+    got = dict(jax.tree_util.tree_leaves_with_path(params, is_leaf=packed.is_packed))
+    want = {_path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    shaped = {}
+    for p, x in got.items():
+        k = _path_str(p)
+        if packed.is_packed(x) and k in want:
+            if packed.logical_size(x) != want[k].size:
+                raise CheckpointError(f"{what}: tensor {k} holds {packed.logical_size(x)} weights, "
+                                      f"expected shape {tuple(want[k].shape)}")
+            x = want[k]
+        shaped[k] = x
+    check_params(unflatten(shaped), expected, what)
+
+
+def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True, packed: bool | None = None) -> Target:
+    """A target from a GGUF file. packed=None packs where `gguf_packable` allows (float32 on one CPU
+    device): the Q4_1/Q8_0 blocks stay as they are in memory and the CPU kernels read them, giving
+    bit-for-bit the float32 model's results from a sixth of the memory traffic. packed=False always
+    dequantises to `dtype`; packed=True raises if the file or setting cannot be packed."""
     import gguf
     reader = _gguf_reader(path)
     config = gguf_config(reader, path)
@@ -263,15 +346,24 @@ def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True) -> 
                 raise CheckpointError(f"corrupt tensor {t.name} in {path}: {e}") from None
         return load
 
-    params = convert({t.name: loader(t) for t in reader.tensors}, GGUF_TABLE, config, dt,
-                     ignore=(r"rope_freqs",))
-    check_params(params, abstract_target_params(config, dt), f"GGUF {path}")
+    can_pack = packed is not False and gguf_packable(reader, config, dt, mesh)
+    if packed and not can_pack:
+        raise CheckpointError(f"cannot keep {path} packed: that needs float32 on one CPU device with the "
+                              "CPU kernels, Q4_1 layer matrices and a tied Q8_0 embedding")
+    if can_pack:
+        params = _gguf_packed_params(reader, config, path, loader)
+        _check_packed(params, abstract_target_params(config, dt), f"GGUF {path}")
+    else:
+        params = convert({t.name: loader(t) for t in reader.tensors}, GGUF_TABLE, config, dt,
+                         ignore=(r"rope_freqs",))
+        check_params(params, abstract_target_params(config, dt), f"GGUF {path}")
+        params = shard_params(params, mesh)
     tok = None
     if tokenizer:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                             gguf_file=os.path.basename(path))
-    return Target(config, shard_params(params, mesh), tok, dt, mesh, source=path)
+    return Target(config, params, tok, dt, mesh, source=path)
 
 
 # ---- named models --------------------------------------------------------------------------------
@@ -299,14 +391,18 @@ def resolve_source(source: str) -> str:
                           f"{', '.join(sorted(NAMED_TARGETS))}")
 
 
-def load_target(source: str, dtype="float32", mesh=None, tokenizer: bool = True) -> Target:
-    """Load a target from a named model, a Hugging Face directory or a .gguf file."""
+def load_target(source: str, dtype="float32", mesh=None, tokenizer: bool = True,
+                packed: bool | None = None) -> Target:
+    """Load a target from a named model, a Hugging Face directory or a .gguf file (`packed`: see
+    load_gguf; Hugging Face directories are never packed)."""
     resolve_dtype(dtype)
     path = resolve_source(str(source))
     if os.path.isdir(path):
         return load_hf_dir(path, dtype, mesh, tokenizer)
     if path.endswith(".gguf"):
-        return load_gguf(path, dtype, mesh, tokenizer)
+        return load_gguf(path, dtype, mesh, tokenizer, packed)
+    if packed:
+        raise CheckpointError(f"cannot keep {path!r} packed: only GGUF files are")
     raise CheckpointError(f"cannot load {path!r}: expected a directory with config.json or a .gguf file")
 
 
@@ -314,6 +410,9 @@ def save_hf_dir(target: Target, directory: str) -> str:
     """Write `target` as a Hugging Face Llama directory (config.json + model.safetensors, float32)."""
     from safetensors.numpy import save_file
     c = target.config
+    from .packed import any_packed
+    if any_packed(target.params):
+        raise CheckpointError("this target was loaded packed: load it with packed=False to save it")
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), target.params)
     sd = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["norm"]["scale"]}
     if not c.tie_word_embeddings:

@@ -110,16 +110,26 @@ def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, 
 def with_draft_vocab(draft: Draft, target: Target, token_ids) -> Draft:
     """Let the draft rank only `token_ids` (e.g. the most frequent tokens of its training data).
 
-    Adds params["vocab_head"] = {ids [V'], w [D, V']} taken from the target's LM head.
+    Adds params["vocab_head"] = {ids [V'], w [D, V']} taken from the target's LM head ({ids, q8
+    [V', D], d [V', D/32]}, the same weights in Q8_0 blocks, when the target was loaded packed).
     """
     import numpy as np
     ids = np.unique(np.asarray(token_ids, np.int64))
     if ids.size == 0 or ids.min() < 0 or ids.max() >= target.config.vocab_size:
         raise ValueError(f"draft vocabulary must be non-empty ids in [0, {target.config.vocab_size})")
     p = target.params
-    head = p["embed"].T if target.config.tie_word_embeddings else p["lm_head"]  # [D, V]
-    w = jnp.take(head, jnp.asarray(ids, jnp.int32), axis=1).astype(draft.dtype)
+    from .packed import is_packed
+    ids_j = jnp.asarray(ids, jnp.int32)
+    if target.config.tie_word_embeddings and is_packed(p["embed"]) and jnp.dtype(draft.dtype) == jnp.float32:
+        # the same float32 weights, kept in the embedding's Q8_0 blocks (eagle2_jax.packed)
+        vh = {"vocab_head": {"ids": ids_j, "q8": jnp.take(p["embed"]["q8"], ids_j, axis=0),
+                             "d": jnp.take(p["embed"]["d"], ids_j, axis=0)}}
+        net = {k: v for k, v in draft.params.items() if k != "vocab_head"}
+        return dataclasses.replace(draft, params={**net, **vh})
+    from .packed import dequantize
+    head = dequantize(p["embed"]).T if target.config.tie_word_embeddings else p["lm_head"]  # [D, V]
+    w = jnp.take(head, ids_j, axis=1).astype(draft.dtype)
     from .sharding import shard_params
-    vh = shard_params({"vocab_head": {"ids": jnp.asarray(ids, jnp.int32), "w": w}}, target.mesh)
+    vh = shard_params({"vocab_head": {"ids": ids_j, "w": w}}, target.mesh)
     net = {k: v for k, v in draft.params.items() if k != "vocab_head"}
     return dataclasses.replace(draft, params={**net, **vh})

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cpu_kernels as few_rows
+from . import packed as packing
 from .config import ModelConfig
 
 NEG_INF = -1e30  # large finite negative for masked scores (float32)
@@ -212,10 +213,41 @@ def dense_dot_general(few_row_kernels: bool):
     return dot_general
 
 
+class PackedDense(nn.Module):
+    """nn.Dense / nn.DenseGeneral over a kernel loaded packed (eagle2_jax.packed: Q4_1 blocks, read
+    by the CPU kernel); float32. Packed params are only loaded from a GGUF, never initialised."""
+
+    features: tuple
+    n_in: int = 1  # trailing input axes contracted
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.get_variable("params", "kernel")
+        lead, k = x.shape[:x.ndim - self.n_in], math.prod(x.shape[x.ndim - self.n_in:])
+        y = packing.matmul(x.reshape(-1, k), w).reshape(lead + tuple(self.features))
+        if self.use_bias:
+            y = y + self.get_variable("params", "bias")
+        return y
+
+
+def _dense(features, name, bias, dtype, dot_general, packed: bool, axis=-1):
+    """nn.Dense (int features, last axis), nn.DenseGeneral, or PackedDense for packed params."""
+    if packed:
+        feats = tuple(features) if isinstance(features, (tuple, list)) else (features,)
+        return PackedDense(feats, len(axis) if isinstance(axis, tuple) else 1, bias, name=name)
+    if isinstance(features, int) and axis == -1:
+        return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
+                        dot_general=dot_general)
+    return nn.DenseGeneral(features, axis=axis, use_bias=bias, dtype=dtype, param_dtype=dtype, name=name,
+                           dot_general=dot_general)
+
+
 class Attention(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     few_row_kernels: bool = False  # see eagle2_jax.cpu_kernels
+    packed: bool = False  # kernels loaded packed (eagle2_jax.packed)
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, masks):
@@ -224,8 +256,8 @@ class Attention(nn.Module):
         Returns (out [B,T,D], (cache_k, cache_v) with this call's keys/values written)."""
         c = self.config
         dot_general = dense_dot_general(self.few_row_kernels)
-        dense = lambda feats, name, bias: nn.DenseGeneral(  # noqa: E731
-            feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name, dot_general=dot_general)
+        dense = lambda feats, name, bias: _dense(  # noqa: E731
+            feats, name, bias, self.dtype, dot_general, self.packed)
         q = dense((c.num_attention_heads, c.head_dim), "q", c.attention_bias)(x_BTD)
         k = dense((c.num_key_value_heads, c.head_dim), "k", c.attention_bias)(x_BTD)
         v = dense((c.num_key_value_heads, c.head_dim), "v", c.attention_bias)(x_BTD)
@@ -239,8 +271,7 @@ class Attention(nn.Module):
         cache_k = write_rows(cache_k, kc + dep, write_at_B)
         cache_v = write_rows(cache_v, vc + dep, write_at_B)
         out = out.astype(self.dtype)
-        out = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
-                              param_dtype=self.dtype, name="o", dot_general=dot_general)(out)
+        out = _dense(c.hidden_size, "o", False, self.dtype, dot_general, self.packed, axis=(-2, -1))(out)
         return out, (cache_k, cache_v)
 
 
@@ -248,13 +279,13 @@ class MLP(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     few_row_kernels: bool = False
+    packed: bool = False
 
     @nn.compact
     def __call__(self, x):
         c = self.config
-        dense = lambda feats, name: nn.Dense(  # noqa: E731
-            feats, use_bias=c.mlp_bias, dtype=self.dtype, param_dtype=self.dtype, name=name,
-            dot_general=dense_dot_general(self.few_row_kernels))
+        dense = lambda feats, name: _dense(  # noqa: E731
+            feats, name, c.mlp_bias, self.dtype, dense_dot_general(self.few_row_kernels), self.packed)
         h = nn.silu(dense(c.intermediate_size, "gate")(x)) * dense(c.intermediate_size, "up")(x)
         return dense(c.hidden_size, "down")(h)
 
@@ -266,15 +297,16 @@ class DecoderLayer(nn.Module):
     dtype: Any = jnp.float32
     input_norm: bool = True
     few_row_kernels: bool = False
+    packed: bool = False
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, cache_k, cache_v, write_at_B, masks):
         c = self.config
         h = RMSNorm(c.rms_norm_eps, self.dtype, name="input_norm")(x_BTD) if self.input_norm else x_BTD
         kern = self.few_row_kernels
-        a, kv = Attention(c, self.dtype, kern, name="attn")(h, positions_BT, cache_k, cache_v, write_at_B, masks)
+        a, kv = Attention(c, self.dtype, kern, self.packed, name="attn")(h, positions_BT, cache_k, cache_v, write_at_B, masks)
         x = x_BTD + a
-        x = x + MLP(c, self.dtype, kern, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x))
+        x = x + MLP(c, self.dtype, kern, self.packed, name="mlp")(RMSNorm(c.rms_norm_eps, self.dtype, name="post_norm")(x))
         return x, kv
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from . import cpu_kernels as few_rows
+from . import packed as packing
 from .cache import KVCache, init_cache
 from .config import ModelConfig
 from .layers import DecoderLayer, RMSNorm, causal_mask, split_masks
@@ -36,23 +37,31 @@ class Llama(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
     few_row_kernels: bool = False  # few-row matmul kernels for XLA:CPU (eagle2_jax.cpu_kernels)
+    packed: bool = False  # params loaded packed (eagle2_jax.packed): GGUF blocks read by the kernels
 
     def setup(self):
         c = self.config
         init = nn.initializers.normal(0.02)
-        self.embed = self.param("embed", init, (c.vocab_size, c.hidden_size), self.dtype)
+        if self.packed:  # loaded, never initialised; a dict leaf (no shape check)
+            self.embed = self.variable("params", "embed").value
+        else:
+            self.embed = self.param("embed", init, (c.vocab_size, c.hidden_size), self.dtype)
         self.layers = [DecoderLayer(c, self.dtype, few_row_kernels=self.few_row_kernels,
-                                    name=f"layers_{i}")
+                                    packed=self.packed, name=f"layers_{i}")
                        for i in range(c.num_hidden_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
             self.lm_head = self.param("lm_head", init, (c.hidden_size, c.vocab_size), self.dtype)
 
     def embed_tokens(self, tokens_BT):
-        return jnp.take(self.embed, tokens_BT, axis=0)
+        return packing.embed_rows(self.embed, tokens_BT)
 
     def logits(self, features_BTD):
         """LM head, accumulated and returned in float32."""
+        if self.packed:  # tied (load_gguf packs only tied embeddings)
+            lead = features_BTD.shape[:-1]
+            y = packing.matmul_nt(features_BTD.reshape(-1, features_BTD.shape[-1]), self.embed)
+            return y.reshape(lead + (y.shape[-1],))
         if self.few_row_kernels:
             last = features_BTD.ndim - 1
             w, dims = (self.embed, (1,)) if self.config.tie_word_embeddings else (self.lm_head, (0,))
@@ -103,11 +112,11 @@ class Target:
 
     @property
     def module(self) -> Llama:
-        return Llama(self.config, self.dtype, few_rows.use_for(self.params))
+        return Llama(self.config, self.dtype, few_rows.use_for(self.params), packing.any_packed(self.params))
 
     @property
     def num_params(self) -> int:
-        return sum(x.size for x in jax.tree_util.tree_leaves(self.params))
+        return packing.logical_size(self.params)
 
 
 @functools.partial(jax.jit, static_argnums=0)

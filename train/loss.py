@@ -13,6 +13,7 @@ from eagle2_jax.cache import init_cache
 from eagle2_jax.draft import draft_apply
 from eagle2_jax.layers import causal_mask
 from eagle2_jax.model import target_apply, target_embed, target_logits
+from eagle2_jax.packed import dequantize
 
 
 def target_features(tmodule, tparams, ids_BT):
@@ -31,7 +32,7 @@ def smooth_l1(x, y):
 
 def vocab_head(tmodule, tparams, ids_V):
     """The target's LM head restricted to the token ids `ids_V`: [D, V'] (frozen)."""
-    head = tparams["embed"].T if tmodule.config.tie_word_embeddings else tparams["lm_head"]
+    head = dequantize(tparams["embed"]).T if tmodule.config.tie_word_embeddings else tparams["lm_head"]
     return jax.lax.stop_gradient(jnp.take(head, ids_V, axis=1))
 
 

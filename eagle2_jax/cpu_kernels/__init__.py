@@ -25,6 +25,12 @@ caches: a few query rows over the KV cache, reading only the slots a row's mask 
 attention computes every padded slot of the cache), each row summed over its keys in one fixed
 order, cache slots then the new keys. A token verified in a tree with its ancestors among the new
 keys therefore gets the bits it gets when decoded alone with those keys already in the cache.
+
+It also holds `q4_matmul` and `q8_matmul_nt`, the nn and nt matmuls over weights kept in a GGUF's
+Q4_1 / Q8_0 blocks (eagle2_jax.packed): each weight is dequantised in registers to the exact
+float32 value numpy's dequantisation gives and accumulated through the same fused multiply-adds in
+the same order as the float32 kernels, so the results are bit-identical while a pass reads 5-8.5
+bits per weight instead of 32.
 """
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ from jax import lax
 
 TARGET = "eagle2_few_row_matmul"
 ATTENTION_TARGET = "eagle2_few_row_attention"
+Q4_TARGET = "eagle2_q4_matmul"
+Q8_NT_TARGET = "eagle2_q8_matmul_nt"
 SOURCE = Path(__file__).with_name("few_row_matmul.cc")
 ENV_SWITCH = "EAGLE2_JAX_CPU_KERNELS"
 ATTENTION_SWITCH = "EAGLE2_JAX_CPU_ATTENTION"  # "0": attention stays on XLA (the matmuls may not)
@@ -105,11 +113,49 @@ def load() -> bool:
                                     platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.eagle2_few_row_attention),
                                     platform="cpu")
+        global _LANES
+        _LANES = int(lib.eagle2_lanes())
+        jax.ffi.register_ffi_target(Q4_TARGET, jax.ffi.pycapsule(lib.eagle2_q4_matmul), platform="cpu")
+        jax.ffi.register_ffi_target(Q8_NT_TARGET, jax.ffi.pycapsule(lib.eagle2_q8_matmul_nt),
+                                    platform="cpu")
         return True
     except Exception as e:  # noqa: BLE001 - any failure means: use XLA's dot
         warnings.warn(f"eagle2_jax: few-row CPU matmul unavailable, using XLA's dot ({e})",
                       RuntimeWarning, stacklevel=2)
         return False
+
+
+_LANES = 0
+
+
+def lanes() -> int:
+    """Floats per vector in the compiled kernels (0 if they did not build): the Q4 column packing."""
+    return _LANES if load() else 0
+
+
+def _require():
+    if not load():
+        raise RuntimeError("the CPU kernels did not build here (see the warning above)")
+
+
+def q4_matmul(x, q4, d, m):
+    """x [..., K] @ w [K, N] with w in Q4_1 blocks (eagle2_jax.packed): q4 [K, N/2] uint8,
+    d and m [K/32, N] float32; w[k, c] = d[k/32, c] * q[k, c] + m[k/32, c], the product rounded
+    before the sum, as numpy's dequantisation. Bit-identical to `matmul` on the dequantised w."""
+    _require()
+    n = 2 * q4.shape[1]
+    call = jax.ffi.ffi_call(Q4_TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, q4, d, m)
+
+
+def q8_matmul_nt(x, q8, d):
+    """x [..., K] @ w [N, K].T with w in Q8_0 blocks: q8 [N, K] int8, d [N, K/32] float32
+    (w = d * q, exact in float32). Bit-identical to `matmul(x, w, True)` on the dequantised w."""
+    _require()
+    call = jax.ffi.ffi_call(Q8_NT_TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + (q8.shape[0],), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, q8, d)
 
 
 def use_for(params) -> bool:

@@ -27,6 +27,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -53,6 +57,10 @@ constexpr int kLanes = E2_LANES;  // floats per vector
 constexpr int kMaxRows = 8;    // rows per pass over the weights (nn)
 constexpr int kMaxRowsNT = 4;  // rows per pass over the weights (nt)
 constexpr int kKB = E2_KB;     // k per pass over the nn accumulators
+#ifndef E2_KBQ
+#define E2_KBQ 8
+#endif
+constexpr int kKBQ = E2_KBQ;   // k per pass over the q4 accumulators (a divisor of 32)
 constexpr int kBlocksPerThread = 1;  // finer blocks measured slower
 typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -63,6 +71,26 @@ inline vec load(const float* p) {
 }
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 inline vec splat(float s) { return vec{} + s; }
+
+// a * b + c, fused where the ISA has it.  The matmuls accumulate only through
+// these, so the float32 and the quantised kernels round alike whatever the
+// compiler would contract on its own.
+inline vec fmadd(vec a, vec b, vec c) {
+#if defined(__AVX512F__) && E2_LANES == 16
+  return (vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && E2_LANES == 8
+  return (vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__) || defined(__AVX512F__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
 
 // nn: columns [c0, c1) of y for rows [0, R), R <= kMaxRows.  Accumulates
 // over k in ascending order (kKB of k per pass over the accumulators).
@@ -82,14 +110,14 @@ void nn_cols(const float* x, const float* w, float* y, int64_t K, int64_t N,
       for (int i = 0; i < kKB; ++i) a[i] = load(w0 + i * N + c);
       for (int r = 0; r < R; ++r) {
         vec acc = load(y + r * N + c);
-        for (int i = 0; i < kKB; ++i) acc += xb[r][i] * a[i];
+        for (int i = 0; i < kKB; ++i) acc = fmadd(xb[r][i], a[i], acc);
         store(y + r * N + c, acc);
       }
     }
     for (int64_t c = vend; c < c1; ++c)
       for (int r = 0; r < R; ++r) {
         float acc = y[r * N + c];
-        for (int i = 0; i < kKB; ++i) acc += x[r * K + k + i] * w0[i * N + c];
+        for (int i = 0; i < kKB; ++i) acc = fmadd(x[r * K + k + i], w0[i * N + c], acc);
         y[r * N + c] = acc;
       }
   }
@@ -97,8 +125,8 @@ void nn_cols(const float* x, const float* w, float* y, int64_t K, int64_t N,
     for (int r = 0; r < R; ++r) {
       const vec xr = splat(x[r * K + k]);
       for (int64_t c = c0; c < vend; c += kLanes)
-        store(y + r * N + c, load(y + r * N + c) + xr * load(w + k * N + c));
-      for (int64_t c = vend; c < c1; ++c) y[r * N + c] += x[r * K + k] * w[k * N + c];
+        store(y + r * N + c, fmadd(xr, load(w + k * N + c), load(y + r * N + c)));
+      for (int64_t c = vend; c < c1; ++c) y[r * N + c] = fmadd(x[r * K + k], w[k * N + c], y[r * N + c]);
     }
 }
 
@@ -110,43 +138,57 @@ inline float hsum(vec v) {
 
 // nt: columns [c0, c1) of y for rows [0, R), w rows are contiguous over K.
 // Four weight rows at a time; lane-wise partial sums over k, then a fixed
-// horizontal sum, then the scalar tail of K.
-template <int R>
-void nt_cols(const float* x, const float* w, float* y, int64_t K, int64_t N,
-             int64_t c0, int64_t c1) {
+// horizontal sum, then the scalar tail of K.  W gives the weights: a vector
+// w[c, k..k+kLanes) by wv(c, k) and a scalar by ws(c, k); the float32 and the
+// Q8_0 kernels share this code, so they add their products the same way.
+template <int R, class W>
+void nt_cols_of(const float* x, const W& w, float* y, int64_t K, int64_t N, int64_t c0, int64_t c1) {
   const int64_t kv = K / kLanes * kLanes;
   int64_t c = c0;
   for (; c + 4 <= c1; c += 4) {
     vec acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) acc[r][j] = vec{};
-    const float* wr = w + c * K;
     for (int64_t k = 0; k < kv; k += kLanes) {
-      const vec b0 = load(wr + k), b1 = load(wr + K + k), b2 = load(wr + 2 * K + k),
-                b3 = load(wr + 3 * K + k);
+      const vec b0 = w.wv(c, k), b1 = w.wv(c + 1, k), b2 = w.wv(c + 2, k), b3 = w.wv(c + 3, k);
       for (int r = 0; r < R; ++r) {
         const vec xr = load(x + r * K + k);
-        acc[r][0] += xr * b0;
-        acc[r][1] += xr * b1;
-        acc[r][2] += xr * b2;
-        acc[r][3] += xr * b3;
+        acc[r][0] = fmadd(xr, b0, acc[r][0]);
+        acc[r][1] = fmadd(xr, b1, acc[r][1]);
+        acc[r][2] = fmadd(xr, b2, acc[r][2]);
+        acc[r][3] = fmadd(xr, b3, acc[r][3]);
       }
     }
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) {
         float s = hsum(acc[r][j]);
-        for (int64_t k = kv; k < K; ++k) s += x[r * K + k] * wr[j * K + k];
+        for (int64_t k = kv; k < K; ++k) s = fmadd(x[r * K + k], w.ws(c + j, k), s);
         y[r * N + c + j] = s;
       }
   }
   for (; c < c1; ++c)
     for (int r = 0; r < R; ++r) {
       vec acc = vec{};
-      for (int64_t k = 0; k < kv; k += kLanes) acc += load(x + r * K + k) * load(w + c * K + k);
+      for (int64_t k = 0; k < kv; k += kLanes) {
+        acc = fmadd(load(x + r * K + k), w.wv(c, k), acc);
+      }
       float s = hsum(acc);
-      for (int64_t k = kv; k < K; ++k) s += x[r * K + k] * w[c * K + k];
+      for (int64_t k = kv; k < K; ++k) s = fmadd(x[r * K + k], w.ws(c, k), s);
       y[r * N + c] = s;
     }
+}
+
+struct F32Rows {
+  const float* w;
+  int64_t K;
+  vec wv(int64_t c, int64_t k) const { return load(w + c * K + k); }
+  float ws(int64_t c, int64_t k) const { return w[c * K + k]; }
+};
+
+template <int R>
+void nt_cols(const float* x, const float* w, float* y, int64_t K, int64_t N,
+             int64_t c0, int64_t c1) {
+  nt_cols_of<R>(x, F32Rows{w, K}, y, K, N, c0, c1);
 }
 
 using ColsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
@@ -255,6 +297,211 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->num_blocks = (N + job->block - 1) / job->block;
   share_work(pool, job, threads, job->num_blocks);
   return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// The same matmuls over weights kept in the GGUF's block quantisation, each
+// weight dequantised in registers to exactly the float32 value the loader's
+// numpy dequantisation gives, then summed in the order nn_cols / nt_cols use:
+// a row's result is bit-identical to the float32 kernel's on the dequantised
+// weights, while a pass reads 5-6 bits per weight instead of 32.
+//
+//   Q4_1, nn  w[k, c] = d[k/32, c] * q[k, c] + m[k/32, c]   (product rounded, then the sum)
+//     q4 [K, N/2] uint8: per group of 2L columns c0.., byte c0/2 + i holds
+//     column c0 + i (low nibble) and c0 + L + i (high nibble), L = kLanes
+//   Q8_0, nt  w[c, k] = d[c, k/32] * q[c, k]                 (exact in float32)
+typedef uint8_t bytes __attribute__((vector_size(kLanes)));
+typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef int8_t sbytes __attribute__((vector_size(kLanes)));
+
+// kLanes bytes at p widened to 32-bit lanes (one vpmovzxbd / vpmovsxbd
+// where the ISA has it; GCC's generic conversion goes byte by byte).
+inline ivec widen(const uint8_t* p) {
+#if defined(__AVX512F__) && E2_LANES == 16
+  return (ivec)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__) && E2_LANES == 8
+  return (ivec)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  bytes b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, ivec);
+#endif
+}
+inline ivec widen(const int8_t* p) {
+#if defined(__AVX512F__) && E2_LANES == 16
+  return (ivec)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__) && E2_LANES == 8
+  return (ivec)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  sbytes b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(b, ivec);
+#endif
+}
+
+// d * q + m with the product rounded on its own (no fused multiply-add).
+inline vec dq(vec d, vec q, vec m) {
+  vec p = d * q;
+  asm("" : "+x"(p));
+  return p + m;
+}
+
+template <int R>
+void nn_q4_cols(const float* x, const uint8_t* q4, const float* d, const float* m, float* y,
+                int64_t K, int64_t N, int64_t c0, int64_t c1) {
+  // c0, c1 multiples of 2 * kLanes; K a multiple of 32 (checked by the caller)
+  for (int r = 0; r < R; ++r) std::memset(y + r * N + c0, 0, (c1 - c0) * sizeof(float));
+  for (int64_t k = 0; k < K; k += kKBQ) {
+    vec xb[R][kKBQ];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kKBQ; ++i) xb[r][i] = splat(x[r * K + k + i]);
+    const float* dk = d + (k / 32) * N;
+    const float* mk = m + (k / 32) * N;
+    for (int64_t c = c0; c < c1; c += 2 * kLanes) {
+      const vec dl = load(dk + c), dh = load(dk + c + kLanes);
+      const vec ml = load(mk + c), mh = load(mk + c + kLanes);
+      vec lo[kKBQ], hi[kKBQ];
+      for (int i = 0; i < kKBQ; ++i) {
+        const ivec v = widen(q4 + (k + i) * (N / 2) + c / 2);
+        lo[i] = dq(dl, __builtin_convertvector(v & 15, vec), ml);
+        hi[i] = dq(dh, __builtin_convertvector(v >> 4, vec), mh);
+      }
+      for (int r = 0; r < R; ++r) {
+        vec al = load(y + r * N + c), ah = load(y + r * N + c + kLanes);
+        for (int i = 0; i < kKBQ; ++i) {
+          al = fmadd(xb[r][i], lo[i], al);
+          ah = fmadd(xb[r][i], hi[i], ah);
+        }
+        store(y + r * N + c, al);
+        store(y + r * N + c + kLanes, ah);
+      }
+    }
+  }
+}
+
+// Q8_0 rows for nt_cols_of; the products d * q are exact in float32.
+struct Q8Rows {
+  const int8_t* q;
+  const float* d;
+  int64_t K;
+  vec wv(int64_t c, int64_t k) const {
+    return splat(d[c * (K / 32) + k / 32]) * __builtin_convertvector(widen(q + c * K + k), vec);
+  }
+  float ws(int64_t c, int64_t k) const { return d[c * (K / 32) + k / 32] * q[c * K + k]; }
+};
+
+template <int R>
+void nt_q8_cols(const float* x, const int8_t* q8, const float* d, float* y, int64_t K, int64_t N,
+                int64_t c0, int64_t c1) {
+  nt_cols_of<R>(x, Q8Rows{q8, d, K}, y, K, N, c0, c1);
+}
+
+using Q4Fn = void (*)(const float*, const uint8_t*, const float*, const float*, float*, int64_t,
+                      int64_t, int64_t, int64_t);
+using Q8Fn = void (*)(const float*, const int8_t*, const float*, float*, int64_t, int64_t, int64_t,
+                      int64_t);
+
+template <int R>
+struct NNQ4 {
+  static constexpr Q4Fn fn = nn_q4_cols<R>;
+};
+template <int R>
+struct NTQ8 {
+  static constexpr Q8Fn fn = nt_q8_cols<R < 4 ? R : 4>;
+};
+
+template <template <int> class Kernel, class Fn>
+Fn pick_q(int rows) {
+  switch (rows) {
+    case 1: return Kernel<1>::fn;
+    case 2: return Kernel<2>::fn;
+    case 3: return Kernel<3>::fn;
+    case 4: return Kernel<4>::fn;
+    case 5: return Kernel<5>::fn;
+    case 6: return Kernel<6>::fn;
+    case 7: return Kernel<7>::fn;
+    default: return Kernel<8>::fn;
+  }
+}
+
+struct QJob {
+  const float* x;
+  const void* q;
+  const float *d, *m;
+  float* y;
+  int64_t M, K, N, block, num_blocks;
+  bool nt;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void run_block(int64_t b) {
+    const int64_t c0 = b * block, c1 = std::min(N, c0 + block);
+    const int max_rows = nt ? kMaxRowsNT : kMaxRows;
+    for (int64_t r0 = 0; r0 < M; r0 += max_rows) {
+      const int rows = static_cast<int>(std::min<int64_t>(max_rows, M - r0));
+      if (nt)
+        pick_q<NTQ8, Q8Fn>(rows)(x + r0 * K, static_cast<const int8_t*>(q), d, y + r0 * N, K, N, c0, c1);
+      else
+        pick_q<NNQ4, Q4Fn>(rows)(x + r0 * K, static_cast<const uint8_t*>(q), d, m, y + r0 * N, K, N, c0, c1);
+    }
+  }
+  void work() {
+    for (int64_t b; (b = next.fetch_add(1)) < num_blocks;) {
+      run_block(b);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error QuantMatmul(ffi::ThreadPool& pool, const float* x, const void* q, const float* d,
+                       const float* m, float* y, int64_t M, int64_t K, int64_t N, bool nt) {
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  auto job = std::make_shared<QJob>();
+  job->x = x; job->q = q; job->d = d; job->m = m; job->y = y;
+  job->M = M; job->K = K; job->N = N; job->nt = nt;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t unit = nt ? 4 : 2 * kLanes;
+  const int64_t units = (N + unit - 1) / unit;
+  const int64_t want = std::min<int64_t>(units, kBlocksPerThread * threads);
+  job->block = (units + want - 1) / want * unit;
+  job->num_blocks = (N + job->block - 1) / job->block;
+  share_work(pool, job, threads, job->num_blocks);
+  return ffi::Error::Success();
+}
+
+// x [..., K] @ w[K, N], w as q4 [K, N/2], d and m [K/32, N]
+ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q4,
+                    ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q4.dimensions();
+  if (qd.size() != 2 || xd.size() < 1)
+    return ffi::Error::InvalidArgument("q4_matmul: q4 must be 2-D and x at least 1-D");
+  const int64_t K = xd.back(), N = 2 * qd[1];
+  const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (qd[0] != K || K % 32 || N % (2 * kLanes))
+    return ffi::Error::InvalidArgument("q4_matmul: K must match and be a multiple of 32, N of 2 x lanes");
+  if (static_cast<int64_t>(d.element_count()) != K / 32 * N ||
+      static_cast<int64_t>(m.element_count()) != K / 32 * N ||
+      static_cast<int64_t>(y->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("q4_matmul: scale or output sizes do not agree");
+  return QuantMatmul(pool, x.typed_data(), q4.typed_data(), d.typed_data(), m.typed_data(),
+                     y->typed_data(), M, K, N, false);
+}
+
+// x [..., K] @ w[N, K]^T, w as q8 [N, K] int8 and d [N, K/32]
+ffi::Error Q8MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q8,
+                      ffi::Buffer<ffi::F32> d, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q8.dimensions();
+  if (qd.size() != 2 || xd.size() < 1)
+    return ffi::Error::InvalidArgument("q8_matmul_nt: q8 must be 2-D and x at least 1-D");
+  const int64_t K = xd.back(), N = qd[0];
+  const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (qd[1] != K || K % 32 || K % kLanes)
+    return ffi::Error::InvalidArgument("q8_matmul_nt: K must match and be a multiple of 32 and of lanes");
+  if (static_cast<int64_t>(d.element_count()) != N * (K / 32) ||
+      static_cast<int64_t>(y->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("q8_matmul_nt: scale or output sizes do not agree");
+  return QuantMatmul(pool, x.typed_data(), q8.typed_data(), d.typed_data(), nullptr,
+                     y->typed_data(), M, K, N, true);
 }
 
 // ---------------------------------------------------------------------------
@@ -388,3 +635,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_few_row_attention, FewRowAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_q4_matmul, Q4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_q8_matmul_nt, Q8MatmulNT,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The vector width this build packs Q4 columns by (eagle2_jax.packed).
+extern "C" int eagle2_lanes() { return kLanes; }

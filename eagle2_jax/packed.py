@@ -1,0 +1,127 @@
+"""Target weights kept in a GGUF's block quantisation, for the CPU kernels (eagle2_jax.cpu_kernels).
+
+A float32 decode step on a CPU is bound by reading the weights (536 MB for SmolLM2-135M). A GGUF
+such as SmolLM2-135M-Instruct.Q4_1 stores them in 5-8.5 bits: the kernels here read those blocks
+and dequantise each weight in registers to exactly the float32 value numpy's dequantisation (what
+`load_gguf` gives unpacked) holds, then sum in the float32 kernel's order. A packed target therefore
+computes bit-for-bit what the unpacked float32 target computes through the kernels; it only reads
+less memory. (Prompts of more than `KERNEL_MAX_ROWS` rows dequantise the matrix and use XLA's dot:
+the same weights, XLA's summation order, as the unpacked model's prompt pass.)
+
+A packed leaf replaces a float32 param leaf by a dict:
+
+  Q4_1 matrix, a Dense kernel [K, *features] with N = prod(features):
+    {"q4": uint8 [K, N/2], "d": float32 [K/32, N], "m": float32 [K/32, N]}
+    w[k, c] = d[k/32, c] * q[k, c] + m[k/32, c] (the product rounded, then the sum); q in 0..15,
+    packed per group of 2L columns c0..: byte c0/2 + i holds column c0 + i in its low nibble and
+    c0 + L + i in its high one (L = cpu_kernels.lanes(), the kernel's vector width)
+  Q8_0 tied embedding [V, D]:
+    {"q8": int8 [V, D], "d": float32 [V, D/32]}, w[v, k] = d[v, k/32] * q[v, k] (exact)
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import cpu_kernels
+
+KERNEL_MAX_ROWS = 32  # rows per call through the kernels; more (a prompt) dequantise and use XLA's dot
+BLOCK = 32
+
+
+def is_packed(x) -> bool:
+    return isinstance(x, Mapping) and ("q4" in x or "q8" in x)  # dict, or Flax's FrozenDict
+
+
+def any_packed(params) -> bool:
+    return isinstance(params, Mapping) and is_packed(params.get("embed"))
+
+
+# ---- from GGUF blocks ------------------------------------------------------------------------------
+
+def q4_1_blocks(raw: np.ndarray, rows: int, cols: int):
+    """GGUF Q4_1 bytes of a [rows, cols] matrix -> (q uint8 [rows, cols], d, m float32 [rows, cols/32])."""
+    b = np.asarray(raw, np.uint8).reshape(rows, cols // BLOCK, 20)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = b[..., 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)  # elements 0-15, 16-31
+    return q, d, m
+
+
+def q8_0_blocks(raw: np.ndarray, rows: int, cols: int):
+    """GGUF Q8_0 bytes of a [rows, cols] matrix -> (q int8 [rows, cols], d float32 [rows, cols/32])."""
+    b = np.asarray(raw, np.uint8).reshape(rows, cols // BLOCK, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return q, d
+
+
+def pack_q4(q_KN: np.ndarray, d: np.ndarray, m: np.ndarray, lanes: int) -> dict:
+    """A Dense kernel's nibbles q [K, N] and scales d, m [K/32, N] -> a packed leaf (see above)."""
+    K, N = q_KN.shape
+    if K % BLOCK or N % (2 * lanes) or d.shape != (K // BLOCK, N) or m.shape != d.shape:
+        raise ValueError(f"cannot pack a [{K}, {N}] Q4_1 kernel: K must be a multiple of {BLOCK} "
+                         f"and N of {2 * lanes}")
+    g = np.asarray(q_KN, np.uint8).reshape(K, N // (2 * lanes), 2, lanes)
+    q4 = (g[:, :, 0, :] | (g[:, :, 1, :] << 4)).reshape(K, N // 2)
+    return {"q4": q4, "d": np.asarray(d, np.float32), "m": np.asarray(m, np.float32)}
+
+
+def nibbles(leaf) -> jax.Array:
+    """q [K, N] (uint8, 0..15) of a packed Q4 leaf."""
+    q4 = leaf["q4"]
+    K, half = q4.shape
+    lanes = cpu_kernels.lanes()
+    if not lanes:
+        raise RuntimeError("packed weights need the CPU kernels that packed them (eagle2_jax.cpu_kernels)")
+    g = q4.reshape(K, half // lanes, 1, lanes)
+    return jnp.concatenate([g & 0x0F, g >> 4], axis=2).reshape(K, 2 * half)
+
+
+def dequantize(leaf) -> jax.Array:
+    """The float32 matrix of a packed leaf ([K, N] for Q4, [V, D] for Q8), exactly as numpy's
+    dequantisation gives it (the Q4 product is kept apart from the sum by an optimization barrier)."""
+    if not is_packed(leaf):
+        return leaf
+    if "q8" in leaf:
+        return leaf["q8"].astype(jnp.float32) * jnp.repeat(leaf["d"], BLOCK, axis=1)
+    q = nibbles(leaf).astype(jnp.float32)
+    prod = jax.lax.optimization_barrier(jnp.repeat(leaf["d"], BLOCK, axis=0) * q)
+    return prod + jnp.repeat(leaf["m"], BLOCK, axis=0)
+
+
+def embed_rows(leaf, tokens) -> jax.Array:
+    """Rows `tokens` of a (packed or plain) embedding [V, D], float32 for packed ones."""
+    if not is_packed(leaf):
+        return jnp.take(leaf, tokens, axis=0)
+    q = jnp.take(leaf["q8"], tokens, axis=0).astype(jnp.float32)
+    return q * jnp.repeat(jnp.take(leaf["d"], tokens, axis=0), BLOCK, axis=-1)
+
+
+def matmul(x_MK, leaf) -> jax.Array:
+    """x [M, K] @ w [K, N] for a packed Q4 kernel: the kernel for up to KERNEL_MAX_ROWS rows."""
+    if x_MK.shape[0] <= KERNEL_MAX_ROWS and cpu_kernels.load():
+        return cpu_kernels.q4_matmul(x_MK.astype(jnp.float32), leaf["q4"], leaf["d"], leaf["m"])
+    return jnp.dot(x_MK.astype(jnp.float32), dequantize(leaf))
+
+
+def matmul_nt(x_MK, leaf) -> jax.Array:
+    """x [M, K] @ w [N, K].T for a packed Q8 embedding used as the LM head."""
+    if x_MK.shape[0] <= KERNEL_MAX_ROWS and cpu_kernels.load():
+        return cpu_kernels.q8_matmul_nt(x_MK.astype(jnp.float32), leaf["q8"], leaf["d"])
+    return jnp.dot(x_MK.astype(jnp.float32), dequantize(leaf).T)
+
+
+def logical_size(params) -> int:
+    """Number of weights a (possibly packed) param tree stands for."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(params, is_leaf=is_packed):
+        if is_packed(x):
+            total += 2 * x["q4"].size if "q4" in x else x["q8"].size
+        else:
+            total += x.size
+    return total
