@@ -40,6 +40,10 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (first turns only when > 1)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--no-packed", dest="packed", action="store_false",
+                    help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
+                         "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
+                         "arithmetic from a sixth of the memory traffic (eagle2_jax.packed; also EAGLE2_JAX_PACKED=0)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
@@ -131,7 +135,7 @@ def main(argv=None):
     questions = load_questions(args.questions, args.limit, args.categories)
     if not questions:
         sys.exit("error: no questions selected")
-    target = load_target(args.model, dtype=args.dtype)
+    target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
     tok = target.tokenizer
     runners = {}
     tree = None

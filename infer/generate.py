@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="EAGLE-2 tokens verified per round, root included (default from the head, else 60); "
                          "'auto' times rounds on this machine and picks the size with the best expected tokens/s")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
+    ap.add_argument("--no-packed", dest="packed", action="store_false",
+                    help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
+                         "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
+                         "arithmetic from a sixth of the memory traffic (eagle2_jax.packed; also EAGLE2_JAX_PACKED=0)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
@@ -87,7 +91,7 @@ def main(argv=None):
     try:
         mesh = parse_mesh(args.mesh)
         t0 = time.perf_counter()
-        target = load_target(args.model, dtype=args.dtype, mesh=mesh)
+        target = load_target(args.model, dtype=args.dtype, mesh=mesh, packed=None if args.packed else False)
         draft = None
         if args.mode != "vanilla" and args.draft != "none":
             name = args.model if args.draft == "auto" else args.draft

@@ -43,6 +43,10 @@ def parse(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=256,
                     help="size the caches for generations of this length (attention reads the whole padded cache)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--no-packed", dest="packed", action="store_false",
+                    help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
+                         "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
+                         "arithmetic from a sixth of the memory traffic (eagle2_jax.packed; also EAGLE2_JAX_PACKED=0)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
@@ -225,7 +229,7 @@ def main(argv=None):
     args = parse(argv)
     from tqdm import tqdm
     from eagle2_jax import load_draft, load_target
-    target = load_target(args.model, dtype=args.dtype)
+    target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
     draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype)
     sizes = [int(x) for x in args.total_tokens.split(",")]
     rows = []
