@@ -1,9 +1,11 @@
 """Few-row matmul microbenchmark: the SmolLM2-135M weight shapes (30 layers of q/k/v/o + gate/up/down
 and the tied 49,152-word LM head, random float32) at 1-8 rows, XLA's dot vs eagle2_jax.cpu_kernels.
 
-    python scripts/bench_few_row_matmul.py [--rows 1,2,4,8] [--repeats 15]
+    python scripts/bench_few_row_matmul.py [--rows 1,2,4,8] [--repeats 15] [--packed]
 
-Prints the best time of one pass over all weights (~540 MB) per row count. No timing is asserted
+Prints the best time of one pass over all weights (~540 MB) per row count. --packed adds the same
+pass over random Q4_1 matrices and a Q8_0 LM head through the packed kernels (eagle2_jax.packed;
+~110 MB) and checks that its outputs equal the float32 kernel's on the dequantised weights. No timing is asserted
 anywhere; this only shows what the kernel buys on the machine at hand.
 """
 import argparse
@@ -13,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle2_jax import cpu_kernels
+from eagle2_jax import cpu_kernels, packed
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--packed", action="store_true", help="also time the packed Q4_1 / Q8_0 kernels")
     a = ap.parse_args()
     if not cpu_kernels.load():
         raise SystemExit("the few-row kernel did not build here (see the warning above)")
@@ -55,11 +58,43 @@ def main():
             ts.append(time.perf_counter() - t0)
         return min(ts) * 1e3
 
-    print("| rows | XLA dot ms | few-row kernel ms | XLA / kernel |\n|---|---|---|---|")
+    if a.packed:
+        layers_f, embed_f, layers_q, embed_q = _packed_weights(rng, L, D, F, KV, V)
+        packed_fn = make(lambda x, p: packed.matmul(x, p), lambda x, e: packed.matmul_nt(x, e))
+        kern_all = make(cpu_kernels.matmul, lambda x, e: cpu_kernels.matmul(x, e, True))  # any row count
+    print("| rows | XLA dot ms | few-row kernel ms | XLA / kernel |" + (" packed ms | identical |" if a.packed else "")
+          + "\n|---|---|---|---|" + ("---|---|" if a.packed else ""))
     for m in [int(r) for r in a.rows.split(",")]:
         x = jnp.asarray(rng.standard_normal((m, D), np.float32))
         tx, tk = best(xla, x, layers, embed), best(kern, x, layers, embed)
-        print(f"| {m} | {tx:.1f} | {tk:.1f} | {tx / tk:.2f}x |", flush=True)
+        line = f"| {m} | {tx:.1f} | {tk:.1f} | {tx / tk:.2f}x |"
+        if a.packed:
+            same = bool(jnp.array_equal(kern_all(x, layers_f, embed_f), packed_fn(x, layers_q, embed_q)))
+            line += f" {best(packed_fn, x, layers_q, embed_q):.1f} | {same} |"
+        print(line, flush=True)
+
+
+def _packed_weights(rng, L, D, F, KV, V):
+    """Random Q4_1 layer matrices and a Q8_0 embedding: (float32 layers, embed, packed layers, embed)."""
+    lanes = cpu_kernels.lanes()
+
+    def q4(K, N):
+        q = rng.integers(0, 16, (K, N), dtype=np.uint8)
+        d = (rng.standard_normal((K // 32, N)) * 0.002).astype(np.float16).astype(np.float32)
+        m = (rng.standard_normal((K // 32, N)) * 0.01).astype(np.float16).astype(np.float32)
+        w = np.repeat(d, 32, 0) * q.astype(np.float32) + np.repeat(m, 32, 0)
+        return jnp.asarray(w), {k: jnp.asarray(v) for k, v in packed.pack_q4(q, d, m, lanes).items()}
+
+    shapes = dict(q=(D, D), k=(D, KV), v=(D, KV), o=(D, D), g=(D, F), u=(D, F), d=(F, D))
+    layers_f, layers_q = [], []
+    for _ in range(L):
+        pairs = {n: q4(*s) for n, s in shapes.items()}
+        layers_f.append({n: p[0] for n, p in pairs.items()})
+        layers_q.append({n: p[1] for n, p in pairs.items()})
+    q8 = rng.integers(-127, 128, (V, D), dtype=np.int8)
+    d8 = (rng.standard_normal((V, D // 32)) * 0.001).astype(np.float16).astype(np.float32)
+    embed_f = jnp.asarray(q8.astype(np.float32) * np.repeat(d8, 32, 1))
+    return layers_f, embed_f, layers_q, {"q8": jnp.asarray(q8), "d": jnp.asarray(d8)}
 
 
 if __name__ == "__main__":

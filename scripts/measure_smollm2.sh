@@ -17,7 +17,8 @@ run() {  # name, then the command
 V=${1:-v7}  # results go to runs/bench/$V (v2: head of 240d81e, v3: rollout-trained head, v4: same head after 30cee77,
             # v6: same head with the few-row CPU matmul kernel, v7: the run-3 head, twice the data,
             # v8/v9: the run-3 head on a second, AVX2-only machine; v9 ran speed_mt_bench80, batch4, batch16
-            # and speed_mt_bench_t1 only)
+            # and speed_mt_bench_t1 only; v11: packed Q4_1/Q8_0 target weights, speed_mt_bench80, batch4,
+            # batch16 and speed_mt_bench_t1 only)
 B=runs/bench/$V
 # acceptance (timing-independent): reference tree; all 80 MT-bench first turns first
 run $V/tau_mt_bench_t0 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 80 --methods eagle --batch 16 \
