@@ -286,7 +286,8 @@ def _gguf_packed_params(reader, config: ModelConfig, path: str, rest_loader) -> 
         try:
             if t.name == "token_embd.weight":
                 q, d = packed.q8_0_blocks(t.data, config.vocab_size, config.hidden_size)
-                flat["embed"] = {"q8": jnp.asarray(q), "d": jnp.asarray(d)}
+                w = q.astype(np.float32) * np.repeat(d, packed.BLOCK, axis=1)  # numpy's dequantisation
+                flat["embed"] = {"q8": jnp.asarray(q), "d": jnp.asarray(d), "w": jnp.asarray(w)}
             elif m:
                 cols, rows = (int(x) for x in t.shape)  # GGUF lists the contiguous dimension first
                 q, d, mn = packed.q4_1_blocks(t.data, rows, cols)
@@ -294,6 +295,9 @@ def _gguf_packed_params(reader, config: ModelConfig, path: str, rest_loader) -> 
                 if heads:  # undo llama.cpp's RoPE row order, as _gguf_q / _gguf_k do
                     q, d, mn = (_unpermute(a, heads) for a in (q, d, mn))
                 leaf = packed.pack_q4(q.T, d.T, mn.T, lanes)
+                # numpy's dequantisation (product, then sum), for calls over many rows
+                leaf["w"] = (np.repeat(d.T, packed.BLOCK, axis=0) * q.T.astype(np.float32)
+                             + np.repeat(mn.T, packed.BLOCK, axis=0))
                 flat[f"layers_{m.group(1)}/{_Q4_NAMES[m.group(2)]}/kernel"] = {
                     k: jnp.asarray(v) for k, v in leaf.items()}
             else:
@@ -332,7 +336,9 @@ def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True, pac
     """A target from a GGUF file. packed=None packs where `gguf_packable` allows (float32 on one CPU
     device): the Q4_1/Q8_0 blocks stay as they are in memory and the CPU kernels read them, giving
     bit-for-bit the float32 model's results from a sixth of the memory traffic. packed=False always
-    dequantises to `dtype`; packed=True raises if the file or setting cannot be packed."""
+    dequantises to `dtype`; packed=True raises if the file or setting cannot be packed. A packed
+    target also keeps the float32 matrices for calls over more rows than the kernels take (prompts,
+    large batches), so it holds ~1.2x the float32 model's memory."""
     import gguf
     reader = _gguf_reader(path)
     config = gguf_config(reader, path)

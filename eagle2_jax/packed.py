@@ -5,18 +5,22 @@ such as SmolLM2-135M-Instruct.Q4_1 stores them in 5-8.5 bits: the kernels here r
 and dequantise each weight in registers to exactly the float32 value numpy's dequantisation (what
 `load_gguf` gives unpacked) holds, then sum in the float32 kernel's order. A packed target therefore
 computes bit-for-bit what the unpacked float32 target computes through the kernels; it only reads
-less memory. (Prompts of more than `KERNEL_MAX_ROWS` rows dequantise the matrix and use XLA's dot:
-the same weights, XLA's summation order, as the unpacked model's prompt pass.)
+less memory. Calls over more rows than the float32 kernels take (cpu_kernels.NN_MAX_ROWS for a
+Dense kernel, NT_MAX_ROWS for the LM head: prompts, large batches) use XLA's dot on a float32 copy
+kept beside the blocks ("w"), as the unpacked model does, since dequantising a matrix per call
+costs more than that dot (30 layers at 8-32 rows: ~300 ms vs 58-87 ms).
 
 A packed leaf replaces a float32 param leaf by a dict:
 
   Q4_1 matrix, a Dense kernel [K, *features] with N = prod(features):
-    {"q4": uint8 [K, N/2], "d": float32 [K/32, N], "m": float32 [K/32, N]}
+    {"q4": uint8 [K, N/2], "d": float32 [K/32, N], "m": float32 [K/32, N], "w": float32 [K, N]}
     w[k, c] = d[k/32, c] * q[k, c] + m[k/32, c] (the product rounded, then the sum); q in 0..15,
     packed per group of 2L columns c0..: byte c0/2 + i holds column c0 + i in its low nibble and
     c0 + L + i in its high one (L = cpu_kernels.lanes(), the kernel's vector width)
   Q8_0 tied embedding [V, D]:
-    {"q8": int8 [V, D], "d": float32 [V, D/32]}, w[v, k] = d[v, k/32] * q[v, k] (exact)
+    {"q8": int8 [V, D], "d": float32 [V, D/32], "w": float32 [V, D]}, w[v, k] = d[v, k/32] * q[v, k]
+    (exact)
+"w", the dequantised matrix, is optional (`with_float32`); without it large calls dequantise.
 """
 from __future__ import annotations
 
@@ -28,7 +32,6 @@ import numpy as np
 
 from . import cpu_kernels
 
-KERNEL_MAX_ROWS = 32  # rows per call through the kernels; more (a prompt) dequantise and use XLA's dot
 BLOCK = 32
 
 
@@ -87,6 +90,8 @@ def dequantize(leaf) -> jax.Array:
     dequantisation gives it (the Q4 product is kept apart from the sum by an optimization barrier)."""
     if not is_packed(leaf):
         return leaf
+    if "w" in leaf:
+        return leaf["w"]
     if "q8" in leaf:
         return leaf["q8"].astype(jnp.float32) * jnp.repeat(leaf["d"], BLOCK, axis=1)
     q = nibbles(leaf).astype(jnp.float32)
@@ -102,16 +107,23 @@ def embed_rows(leaf, tokens) -> jax.Array:
     return q * jnp.repeat(jnp.take(leaf["d"], tokens, axis=0), BLOCK, axis=-1)
 
 
+def with_float32(leaf) -> dict:
+    """The leaf with its dequantised matrix "w" added (for calls over many rows)."""
+    if not is_packed(leaf) or "w" in leaf:
+        return leaf
+    return {**leaf, "w": jax.jit(dequantize)(leaf)}
+
+
 def matmul(x_MK, leaf) -> jax.Array:
-    """x [M, K] @ w [K, N] for a packed Q4 kernel: the kernel for up to KERNEL_MAX_ROWS rows."""
-    if x_MK.shape[0] <= KERNEL_MAX_ROWS and cpu_kernels.load():
+    """x [M, K] @ w [K, N] for a packed Q4 kernel: the kernel for up to NN_MAX_ROWS rows."""
+    if x_MK.shape[0] <= cpu_kernels.NN_MAX_ROWS and cpu_kernels.load():
         return cpu_kernels.q4_matmul(x_MK.astype(jnp.float32), leaf["q4"], leaf["d"], leaf["m"])
     return jnp.dot(x_MK.astype(jnp.float32), dequantize(leaf))
 
 
 def matmul_nt(x_MK, leaf) -> jax.Array:
-    """x [M, K] @ w [N, K].T for a packed Q8 embedding used as the LM head."""
-    if x_MK.shape[0] <= KERNEL_MAX_ROWS and cpu_kernels.load():
+    """x [M, K] @ w [N, K].T for a packed Q8 embedding used as the LM head (kernel: NT_MAX_ROWS)."""
+    if x_MK.shape[0] <= cpu_kernels.NT_MAX_ROWS and cpu_kernels.load():
         return cpu_kernels.q8_matmul_nt(x_MK.astype(jnp.float32), leaf["q8"], leaf["d"])
     return jnp.dot(x_MK.astype(jnp.float32), dequantize(leaf).T)
 
@@ -121,7 +133,7 @@ def logical_size(params) -> int:
     total = 0
     for x in jax.tree_util.tree_leaves(params, is_leaf=is_packed):
         if is_packed(x):
-            total += 2 * x["q4"].size if "q4" in x else x["q8"].size
+            total += 2 * x["q4"].size if "q4" in x else x["q8"].size  # "w" repeats them
         else:
             total += x.size
     return total

@@ -8,7 +8,8 @@ of the shipped SmolLM2 head and prints, per program, the wall time of each trace
 total per op kind (XLA threads only) and the top events (ms per step). Op names are XLA's
 fusion/thunk names; `ffi_call` is the few-row kernel on the CPU backend. --timeline lists, in start
 order, the events of the slowest traced execution (for finding gaps and slow layers). --by-shape
-groups the kernel calls by operand shapes (x rows x K, the weight; `T`: a tied LM head) and lists
+groups the kernel calls by operand shapes (x rows x K, the weight with its dtype, `q4` / `q8`: packed
+weights, `T`: a tied LM head) and lists
 the costliest other ops with their HLO text, read from the compiled program.
 """
 from __future__ import annotations
@@ -52,14 +53,30 @@ def _report(evs, steps, top, timeline, min_ms, until_ms):
                 print(f"{(e[3] - t0) / 1e6:8.2f} +{e[4] / 1e6:6.2f}  {e[1][-8:]}  {e[2]}")
 
 
-_FFI = re.compile(r"%(ffi_call(?:\.\d+)?) = .*?operand_layout_constraints=\{f32\[([\d,]*)\]\{[\d,]*\}, "
-                  r"f32\[([\d,]*)\].*?transpose_w = (\w+)")
+_FFI_LINE = re.compile(r"%(ffi_call(?:\.\d+)?) = [^\n]*")
+_KERNEL = {"eagle2_few_row_matmul": "", "eagle2_q4_matmul": "q4 ", "eagle2_q8_matmul_nt": "q8 T ",
+           "eagle2_few_row_attention": "attention "}
+
+
+def _ffi_shapes(hlo_text):
+    """ffi_call name -> (x, w) labels: operand shapes of each kernel call in the compiled HLO."""
+    out = {}
+    for m in _FFI_LINE.finditer(hlo_text):
+        line = m.group(0)
+        target = re.search(r'custom_call_target="(\w+)"', line)
+        ops = line.split("operand_layout_constraints=", 1)[-1]
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]\{", ops)
+        if not target or len(shapes) < 2:
+            continue
+        kind = _KERNEL.get(target.group(1), target.group(1) + " ")
+        t = "T" if re.search(r"transpose_w = true", line) else ""
+        out[m.group(1)] = (kind + shapes[0][1], shapes[1][0] + "[" + shapes[1][1] + "]" + t)
+    return out
 
 
 def _by_shape(evs, steps, hlo_text, top):
     """Kernel calls per operand shapes, then the costliest other ops with their HLO lines."""
-    shape_of = {m.group(1): (m.group(2), m.group(3) + ("T" if m.group(4) == "true" else ""))
-                for m in _FFI.finditer(hlo_text)}
+    shape_of = _ffi_shapes(hlo_text)
     lines = {m.group(1): m.group(0)[:200] for m in re.finditer(r"%([\w.-]+) = [^\n]*", hlo_text)}
     calls, other = collections.defaultdict(list), collections.Counter()
     for _, line, name, _, dur in evs:
@@ -72,7 +89,7 @@ def _by_shape(evs, steps, hlo_text, top):
     print("kernel calls by shape: x [rows, K], w; calls per step, median ms, ms per step")
     for (x, w), ds in sorted(calls.items(), key=lambda kv: -sum(kv[1])):
         ds.sort()
-        print(f"  x[{x}] w[{w}]: {len(ds) // steps}, {ds[len(ds) // 2]:.3f}, {sum(ds) / steps:.2f}")
+        print(f"  x[{x}] {w}: {len(ds) // steps}, {ds[len(ds) // 2]:.3f}, {sum(ds) / steps:.2f}")
     print(f"other ops (ms per step): {sum(other.values()):.2f} in all; the costliest:")
     for name, ms in other.most_common(top):
         print(f"  {ms:6.3f}  {lines.get(name, name)}")

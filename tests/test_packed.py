@@ -53,8 +53,11 @@ def test_pack_nibbles_and_dequantize_roundtrip():
     leaf = {k: jnp.asarray(v) for k, v in packed.pack_q4(q, d, m, cpu_kernels.lanes()).items()}
     assert np.array_equal(np.asarray(packed.nibbles(leaf)), q)
     assert np.array_equal(np.asarray(jax.jit(packed.dequantize)(leaf)), w)  # exact, even jitted
-    x = jnp.asarray(rng.standard_normal((40, 96), np.float32))  # past KERNEL_MAX_ROWS: XLA's dot
+    x = jnp.asarray(rng.standard_normal((40, 96), np.float32))  # past the kernel's rows: XLA's dot
     np.testing.assert_allclose(np.asarray(packed.matmul(x, leaf)), np.asarray(x) @ w, rtol=1e-4, atol=1e-4)
+    full = packed.with_float32(leaf)  # the same, on the float32 copy
+    assert np.array_equal(np.asarray(full["w"]), w)
+    assert np.array_equal(np.asarray(packed.matmul(x, full)), np.asarray(packed.matmul(x, leaf)))
     with pytest.raises(ValueError, match="multiple"):
         packed.pack_q4(q[:, :40], d[:, :40], m[:, :40], cpu_kernels.lanes())
 
@@ -88,7 +91,7 @@ def test_packed_smollm2_is_the_float32_model(smollm2):
         got = np.asarray(packed.dequantize(leaf)).reshape(ref[path].shape)
         assert np.array_equal(got, np.asarray(ref[path])), jax.tree_util.keystr(path)
     ids = np.arange(200, 240)[None]
-    for T in (1, 3, 40):  # kernels on both sides (<= 8 rows), XLA's dot on both (> 32)
+    for T in (1, 3, 6, 12, 40):  # the same kernel / XLA split on both sides at every row count
         assert np.array_equal(np.asarray(forward(smollm2, ids[:, :T])), np.asarray(forward(plain, ids[:, :T])))
 
 
