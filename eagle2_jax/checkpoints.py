@@ -122,8 +122,9 @@ def convert(tensors: dict[str, Callable[[], np.ndarray]], table: Table, config: 
     return unflatten(flat)
 
 
-def unflatten(flat: dict) -> dict:
-    out: dict = {}
+def unflatten(flat: dict, into: dict | None = None) -> dict:
+    """{"a/b/c": leaf} -> {"a": {"b": {"c": leaf}}}, added to `into` when given."""
+    out: dict = {} if into is None else into
     for path, v in flat.items():
         node = out
         *parents, leaf = path.split("/")
@@ -304,14 +305,7 @@ def _gguf_packed_params(reader, config: ModelConfig, path: str, rest_loader) -> 
                 rest[t.name] = rest_loader(t)
         except ValueError as e:
             raise CheckpointError(f"corrupt tensor {t.name} in {path}: {e}") from None
-    params = convert(rest, GGUF_TABLE, config, jnp.float32, ignore=(r"rope_freqs",))
-    for key, leaf in flat.items():
-        node = params
-        *parents, name = key.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[name] = leaf
-    return params
+    return unflatten(flat, into=convert(rest, GGUF_TABLE, config, jnp.float32, ignore=(r"rope_freqs",)))
 
 
 def _check_packed(params, expected, what: str):
