@@ -111,7 +111,8 @@ def with_draft_vocab(draft: Draft, target: Target, token_ids) -> Draft:
     """Let the draft rank only `token_ids` (e.g. the most frequent tokens of its training data).
 
     Adds params["vocab_head"] = {ids [V'], w [D, V']} taken from the target's LM head ({ids, q8
-    [V', D], d [V', D/32]}, the same weights in Q8_0 blocks, when the target was loaded packed).
+    [V', D], d [V', D/32], w [V', D]}, a packed Q8_0 leaf of the same weights, when the target was
+    loaded packed).
     """
     import numpy as np
     ids = np.unique(np.asarray(token_ids, np.int64))
@@ -122,8 +123,9 @@ def with_draft_vocab(draft: Draft, target: Target, token_ids) -> Draft:
     ids_j = jnp.asarray(ids, jnp.int32)
     if target.config.tie_word_embeddings and is_packed(p["embed"]) and jnp.dtype(draft.dtype) == jnp.float32:
         # the same float32 weights, kept in the embedding's Q8_0 blocks (eagle2_jax.packed)
-        vh = {"vocab_head": {"ids": ids_j, "q8": jnp.take(p["embed"]["q8"], ids_j, axis=0),
-                             "d": jnp.take(p["embed"]["d"], ids_j, axis=0)}}
+        vh = {"vocab_head": {k: jnp.take(p["embed"][k], ids_j, axis=0) for k in ("q8", "d", "w")
+                             if k in p["embed"]}}  # "w" [V', D]: past the kernel's rows (packed.matmul_nt)
+        vh["vocab_head"]["ids"] = ids_j
         net = {k: v for k, v in draft.params.items() if k != "vocab_head"}
         return dataclasses.replace(draft, params={**net, **vh})
     from .packed import dequantize
