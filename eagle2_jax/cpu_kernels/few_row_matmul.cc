@@ -220,6 +220,24 @@ ColsFn pick(int rows) {
   }
 }
 
+// Takes column blocks until none is left (Job and QJob: caller and pool tasks).
+template <class J>
+void run_blocks(J& job) {
+  for (int64_t b; (b = job.next.fetch_add(1)) < job.num_blocks;) {
+    job.run_block(b);
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Splits N columns into about kBlocksPerThread blocks per thread, each a whole number of `unit`s.
+template <class J>
+void plan_blocks(J& job, int64_t N, int64_t unit, int64_t threads) {
+  const int64_t units = (N + unit - 1) / unit;
+  const int64_t want = std::min<int64_t>(units, kBlocksPerThread * threads);
+  job.block = (units + want - 1) / want * unit;
+  job.num_blocks = (N + job.block - 1) / job.block;
+}
+
 // Shared by the caller and the pool tasks; outlives the call if a task
 // starts late (it then finds no block left and only drops its reference).
 struct Job {
@@ -241,12 +259,7 @@ struct Job {
       fn(x + r0 * K, w, y + r0 * N, K, N, c0, c1);
     }
   }
-  void work() {
-    for (int64_t b; (b = next.fetch_add(1)) < num_blocks;) {
-      run_block(b);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
+  void work() { run_blocks(*this); }
 };
 
 // Runs job->work() on the calling thread and on up to threads - 1 pool
@@ -289,12 +302,8 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->N = N;
   job->nt = transpose_w;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // Several blocks per thread (late helpers still get a share), whole vectors (nn) or groups of 4 rows (nt).
-  const int64_t unit = transpose_w ? 4 : kLanes;
-  const int64_t units = (N + unit - 1) / unit;
-  const int64_t want = std::min<int64_t>(units, kBlocksPerThread * threads);
-  job->block = (units + want - 1) / want * unit;
-  job->num_blocks = (N + job->block - 1) / job->block;
+  // whole vectors (nn) or groups of 4 rows (nt)
+  plan_blocks(*job, N, transpose_w ? 4 : kLanes, threads);
   share_work(pool, job, threads, job->num_blocks);
   return ffi::Error::Success();
 }
@@ -445,12 +454,7 @@ struct QJob {
         pick_q<NNQ4, Q4Fn>(rows)(x + r0 * K, static_cast<const uint8_t*>(q), d, m, y + r0 * N, K, N, c0, c1);
     }
   }
-  void work() {
-    for (int64_t b; (b = next.fetch_add(1)) < num_blocks;) {
-      run_block(b);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
+  void work() { run_blocks(*this); }
 };
 
 ffi::Error QuantMatmul(ffi::ThreadPool& pool, const float* x, const void* q, const float* d,
@@ -460,11 +464,7 @@ ffi::Error QuantMatmul(ffi::ThreadPool& pool, const float* x, const void* q, con
   job->x = x; job->q = q; job->d = d; job->m = m; job->y = y;
   job->M = M; job->K = K; job->N = N; job->nt = nt;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t unit = nt ? 4 : 2 * kLanes;
-  const int64_t units = (N + unit - 1) / unit;
-  const int64_t want = std::min<int64_t>(units, kBlocksPerThread * threads);
-  job->block = (units + want - 1) / want * unit;
-  job->num_blocks = (N + job->block - 1) / job->block;
+  plan_blocks(*job, N, nt ? 4 : 2 * kLanes, threads);
   share_work(pool, job, threads, job->num_blocks);
   return ffi::Error::Success();
 }
