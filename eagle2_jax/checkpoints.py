@@ -381,6 +381,34 @@ def _smollm2_gguf() -> str:
 
 NAMED_TARGETS: dict[str, Callable[[], str]] = {"smollm2-135m-instruct": _smollm2_gguf}
 
+# Random weights of published shapes, for timing rounds where the real weights cannot travel
+# (`random:llama-3.1-8b`); also `random:<config.json>`. Nothing they generate means anything.
+RANDOM_PREFIX = "random:"
+RANDOM_SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
+                         tie_word_embeddings=True, max_position_embeddings=8192),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                         tie_word_embeddings=True, max_position_embeddings=8192),
+    "llama-2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, max_position_embeddings=4096),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                         max_position_embeddings=8192),
+}
+
+
+def random_config(source: str) -> ModelConfig:
+    """The ModelConfig named by `random:<shape>` or `random:<path to config.json>`."""
+    name = source[len(RANDOM_PREFIX):]
+    if name in RANDOM_SHAPES:
+        return ModelConfig(**RANDOM_SHAPES[name])
+    if name.endswith(".json") and os.path.exists(name):
+        return ModelConfig.from_json_file(name)
+    raise CheckpointError(f"unknown random model {source!r}: use {RANDOM_PREFIX}<config.json> or one of "
+                          f"{', '.join(RANDOM_PREFIX + k for k in sorted(RANDOM_SHAPES))}")
+
 
 def resolve_source(source: str) -> str:
     if source in NAMED_TARGETS:
@@ -394,8 +422,16 @@ def resolve_source(source: str) -> str:
 def load_target(source: str, dtype="float32", mesh=None, tokenizer: bool = True,
                 packed: bool | None = None) -> Target:
     """Load a target from a named model, a Hugging Face directory or a .gguf file (`packed`: see
-    load_gguf; Hugging Face directories are never packed)."""
+    load_gguf; Hugging Face directories are never packed), or random weights of a published shape
+    (`random:llama-3.1-8b`, see RANDOM_SHAPES; no tokenizer), for timing."""
     resolve_dtype(dtype)
+    if str(source).startswith(RANDOM_PREFIX):
+        import dataclasses
+        from .model import init_target
+        config = random_config(str(source))
+        if packed:
+            raise CheckpointError(f"cannot keep {source!r} packed: only GGUF files are")
+        return dataclasses.replace(init_target(config, dtype=dtype, mesh=mesh), source=str(source))
     path = resolve_source(str(source))
     if os.path.isdir(path):
         return load_hf_dir(path, dtype, mesh, tokenizer)

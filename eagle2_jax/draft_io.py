@@ -109,7 +109,11 @@ def load_draft(source: str, target: Target, dtype: Optional[str] = None, draft_v
     """Load a draft head for `target`: a named head, an EAGLE-format directory, or ours.
 
     A `draft_vocab.json` beside the weights (and `draft_vocab=True`) restricts drafting to those tokens.
+    `random` (or any `random:...` name) gives a randomly initialised head fitting `target`, for timing.
     """
+    if str(source) == "random" or str(source).startswith("random:"):
+        from .draft import init_draft
+        return init_draft(target, dtype=dtype)
     d = _load_draft(source, target, dtype)
     vocab = os.path.join(d.source, VOCAB_FILE)
     if draft_vocab and os.path.exists(vocab):
@@ -127,7 +131,7 @@ def _load_draft(source: str, target: Target, dtype: Optional[str] = None) -> Dra
     dt = resolve_dtype(dtype) if dtype is not None else target.dtype
     path = NAMED_DRAFTS.get(str(source), str(source))
     if not os.path.isdir(path):
-        raise CheckpointError(f"draft {source!r} not found: not a directory or one of "
+        raise CheckpointError(f"draft {source!r} not found: not a directory, 'random', or one of "
                               f"{', '.join(sorted(NAMED_DRAFTS))}")
     if os.path.exists(os.path.join(path, OURS_META)):
         return _load_ours(path, target, dt)

@@ -30,6 +30,9 @@ def parse(argv=None):
     ap.add_argument("--categories", nargs="*", default=None, help="only these categories")
     ap.add_argument("--turns", type=int, default=1, help="turns per question (MT-bench has 2; default 1)")
     ap.add_argument("--methods", default="plain,eagle", help="comma list of plain, eagle, hf, hf-pld")
+    ap.add_argument("--hf-limit", type=int, default=None,
+                    help="run transformers (hf, hf-pld) on the first N questions only (it is the slow one); its "
+                         "ratios then compare against ours on those same questions")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
     ap.add_argument("--depth", type=int, default=None)
@@ -90,13 +93,14 @@ class HF:
         from transformers import AutoModelForCausalLM
         from eagle2_jax.checkpoints import resolve_source
         torch.set_num_threads(os.cpu_count() or 1)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU where there is one, as ours
         path = resolve_source(args.model)
         kw = dict(dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16)
         if path.endswith(".gguf"):
             self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), **kw)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(path, **kw)
-        self.model.eval()
+        self.model.to(self.device).eval()
         self.name, self.target, self.args, self.pld, self.torch = name, target, args, pld, torch
 
     def __call__(self, prompts):
@@ -110,11 +114,12 @@ class HF:
                 kw["temperature"] = self.args.temperature
             if self.pld:
                 kw["prompt_lookup_num_tokens"] = 10
+            ids = torch.tensor([p], device=self.device)
             t0 = time.perf_counter()
             with torch.no_grad():
-                r = self.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)
+                r = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            outs.append(r[0, len(p):].tolist())  # (waits for the device)
             total += time.perf_counter() - t0
-            outs.append(r[0, len(p):].tolist())
         return outs, total, 0.0, None
 
 
@@ -161,12 +166,17 @@ def main(argv=None):
         warm[m] = time.perf_counter() - t0
     rows = []
     groups = [questions[i:i + args.batch] for i in range(0, len(questions), args.batch)]
-    bar = tqdm(total=len(questions) * len(runners), unit="answer", desc="bench", dynamic_ncols=True)
-    for group in groups:
+    hf_groups = len(groups) if args.hf_limit is None else -(-args.hf_limit // args.batch)
+    n_hf = sum(m.startswith("hf") for m in runners)
+    total = len(questions) * (len(runners) - n_hf) + min(len(questions), hf_groups * args.batch) * n_hf
+    bar = tqdm(total=total, unit="answer", desc="bench", dynamic_ncols=True)
+    for g, group in enumerate(groups):
         convs = {m: [[] for _ in group] for m in runners}
         n_turns = 1 if args.batch > 1 else args.turns
         for turn in range(n_turns):
             for m, r in runners.items():
+                if m.startswith("hf") and g >= hf_groups:
+                    continue
                 live = [i for i, q in enumerate(group) if turn < len(q["turns"])]
                 if not live:
                     continue
@@ -182,12 +192,18 @@ def main(argv=None):
                                      rounds=len(acc[j]) if acc else None,
                                      tau=(sum(acc[j]) / len(acc[j])) if acc and acc[j] else None, tokens=toks[j]))
                 bar.update(len(live) if turn == 0 else 0)
+        write_outputs(args.out, rows, _summary(rows, runners, args, tree, warm, target), figure=False)  # so far
     bar.close()
+    summary = _summary(rows, runners, args, tree, warm, target)
+    write_outputs(args.out, rows, summary)
+    print(markdown(summary))
+
+
+def _summary(rows, runners, args, tree, warm, target):
     summary = summarize(rows, runners, args, tree, warm)
     module = getattr(target, "module", None)  # (test doubles have none)
     summary["cpu_kernels"] = bool(getattr(module, "few_row_kernels", False))  # eagle2_jax.cpu_kernels in use
-    write_outputs(args.out, rows, summary)
-    print(markdown(summary))
+    return summary
 
 
 def summarize(rows, runners, args, tree, warm):
@@ -217,12 +233,26 @@ def summarize(rows, runners, args, tree, warm):
             a = {(r["question_id"], r["turn"]): r["tokens"] for r in rows if r["method"] == "plain"}
             b = {(r["question_id"], r["turn"]): r["tokens"] for r in rows if r["method"] == "eagle"}
             s["greedy_identical"] = all(a[k] == b.get(k) for k in a)
+            if not s["greedy_identical"]:  # how many answers differ, and from which token on
+                s["greedy_mismatches"] = {f"{q}/{t}": next((i for i, (x, y) in enumerate(zip(a[q, t], b[q, t]))
+                                                           if x != y), min(len(a[q, t]), len(b[q, t])))
+                                          for q, t in a if (q, t) in b and a[q, t] != b[q, t]}
     for hf in ("hf", "hf-pld"):
-        if hf in M and "plain" in M:
-            s[f"speedup_plain_vs_{hf}"] = M["plain"]["tokens_per_s"] / M[hf]["tokens_per_s"]
-        if hf in M and "eagle" in M:
-            s[f"speedup_eagle_vs_{hf}"] = M["eagle"]["tokens_per_s"] / M[hf]["tokens_per_s"]
+        if hf not in M or not M[hf]["tokens_per_s"]:
+            continue
+        keys = {(r["question_id"], r["turn"]) for r in rows if r["method"] == hf}
+        s[f"{hf}_answers"] = len(keys)
+        for ours in ("plain", "eagle"):
+            if ours in M:  # on the answers transformers also gave (all of them unless --hf-limit)
+                s[f"speedup_{ours}_vs_{hf}"] = _rate(rows, ours, keys) / M[hf]["tokens_per_s"]
     return s
+
+
+def _rate(rows, method, keys):
+    """tokens/s of `method` over the answers in `keys` ((question_id, turn) pairs)."""
+    rs = [r for r in rows if r["method"] == method and (r["question_id"], r["turn"]) in keys]
+    secs = sum(r["seconds"] for r in rs)
+    return sum(r["new_tokens"] for r in rs) / secs if secs else 0.0
 
 
 def markdown(s):
@@ -235,18 +265,22 @@ def markdown(s):
         lines.append(f"| {m} | {d['new_tokens']} | {d['seconds']:.1f} | {d['tokens_per_s']:.1f} | {tau} | "
                      f"{d['compile_s'] + s['warmup_s'].get(m, 0):.1f} |")
     for k in sorted(s):
-        if k.startswith("speedup") or k == "greedy_identical":
+        if k.startswith("speedup") or k.startswith("greedy_") or k.endswith("_answers"):
             v = s[k]
             lines.append(f"- {k}: {v:.2f}x" if isinstance(v, float) else f"- {k}: {v}")
     return "\n".join(lines)
 
 
-def write_outputs(out, rows, summary):
+def write_outputs(out, rows, summary, figure=True):
+    """results.json + results.md (rewritten after every batch of questions, so an interrupted run keeps
+    what it measured) and, at the end, results.png."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"summary": summary, "rows": rows}, f)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(markdown(summary) + "\n")
+    if not figure:
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -26,7 +26,7 @@ import os
 def parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m infer.roundcost", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="target (name, HF dir or .gguf)")
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="target: a name, HF dir or .gguf, or random:<shape> (random weights of a published shape, e.g. random:llama-3.1-8b, with a random head: times only)")
     ap.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
     ap.add_argument("--batch", default="1,4,16", help="comma list of batch sizes")
     ap.add_argument("--depth", type=int, default=4)
@@ -35,6 +35,9 @@ def parse(argv=None):
     ap.add_argument("--questions", default=None,
                     help="EAGLE/MT-bench jsonl whose first turns are the prompts (default: shared MT-bench)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--parts", choices=["all", "round"], default="all",
+                    help="'round': time only the whole round and the plain step (a quarter of the compiles; "
+                         "for large shapes on a lent accelerator), leaving the draft/verify/accept columns empty")
     ap.add_argument("--calibration-rounds", type=int, default=16,
                     help="greedy rounds walked with the largest tree to measure tokens per round of every size")
     ap.add_argument("--calibration-prompts", type=int, default=16,
@@ -134,7 +137,7 @@ def load_prompts(target, path, n):
 
 
 def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int, max_new: int = 256,
-            calibration_rounds: int = 16, calibration_prompts=None):
+            calibration_rounds: int = 16, calibration_prompts=None, parts: str = "all"):
     """Rows: dict(batch, depth, top_k, total_tokens, draft_ms, verify_ms, accept_ms, round_ms, expected_tau
     (measured), estimated_tau (draft scores), tokens_per_s) plus the plain step time for this batch.
     Caches are sized for max_new new tokens, as a generation of that length sizes them (attention
@@ -167,16 +170,18 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     rows = []
     for n in sizes:
         tree = TreeConfig(depth, top_k, n)
-        t, dcache = p_draft(tp, dp, fresh_copy(st), tm=tm, dm=dm, tree=tree)
-        feats, logits, tcache = p_verify(tp, fresh_copy(st), t, tm=tm)
         row = dict(batch=batch, depth=depth, top_k=top_k, total_tokens=n, plain_step_ms=plain,
-                   draft_ms=_best(lambda s_: p_draft(tp, dp, s_, tm=tm, dm=dm, tree=tree),
-                                  lambda: (fresh_copy(st),), repeats),
-                   verify_ms=_best(lambda s_: p_verify(tp, s_, t, tm=tm), lambda: (fresh_copy(st),), repeats),
-                   accept_ms=_best(lambda s_, tc, dc: p_accept(tp, dp, s_, t, feats, logits, tc, dc, tm=tm, dm=dm,
-                                                               tree=tree),
-                                   lambda: fresh_copy((st, tcache, dcache)), repeats),
-                   round_ms=_best(lambda s_: p_round(tp, dp, s_, tm=tm, dm=dm, tree=tree),
+                   draft_ms=None, verify_ms=None, accept_ms=None)
+        if parts == "all":
+            t, dcache = p_draft(tp, dp, fresh_copy(st), tm=tm, dm=dm, tree=tree)
+            feats, logits, tcache = p_verify(tp, fresh_copy(st), t, tm=tm)
+            row.update(draft_ms=_best(lambda s_: p_draft(tp, dp, s_, tm=tm, dm=dm, tree=tree),
+                                      lambda: (fresh_copy(st),), repeats),
+                       verify_ms=_best(lambda s_: p_verify(tp, s_, t, tm=tm), lambda: (fresh_copy(st),), repeats),
+                       accept_ms=_best(lambda s_, tc, dc: p_accept(tp, dp, s_, t, feats, logits, tc, dc, tm=tm,
+                                                                   dm=dm, tree=tree),
+                                       lambda: fresh_copy((st, tcache, dcache)), repeats))
+        row.update(round_ms=_best(lambda s_: p_round(tp, dp, s_, tm=tm, dm=dm, tree=tree),
                                   lambda: (fresh_copy(st),), repeats),
                    expected_tau=acc.measured_tau(n), estimated_tau=acc.estimated_tau(n))
         row["tokens_per_s"] = batch * row["expected_tau"] / row["round_ms"] * 1e3
@@ -197,8 +202,9 @@ def write(rows, out):
              "tau (measured) | tau (draft estimate) | expected tok/s | plain tok/s |", "|" + "---|" * 12]
     for r in rows:
         mark = " **chosen**" if best[r["batch"]] is r else ""
-        lines.append(f"| {r['batch']} | {r['depth']}/{r['top_k']} | {r['total_tokens']}{mark} | {r['draft_ms']:.1f} | "
-                     f"{r['verify_ms']:.1f} | {r['accept_ms']:.1f} | {r['round_ms']:.1f} | {r['plain_step_ms']:.1f} | "
+        ms = " | ".join("-" if r[k] is None else f"{r[k]:.1f}" for k in ("draft_ms", "verify_ms", "accept_ms"))
+        lines.append(f"| {r['batch']} | {r['depth']}/{r['top_k']} | {r['total_tokens']}{mark} | {ms} | "
+                     f"{r['round_ms']:.1f} | {r['plain_step_ms']:.1f} | "
                      f"{r['expected_tau']:.2f} | {r['estimated_tau']:.2f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} |")
     with open(os.path.join(out, "roundcost.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -212,8 +218,9 @@ def write(rows, out):
     for bsz in sorted(best):
         rs = [r for r in rows if r["batch"] == bsz]
         line, = ax.plot([r["total_tokens"] for r in rs], [r["round_ms"] for r in rs], "o-", label=f"round, batch {bsz}")
-        ax.plot([r["total_tokens"] for r in rs], [r["verify_ms"] for r in rs], "x--", color=line.get_color(), alpha=0.6,
-                label=f"verify, batch {bsz}")
+        if all(r["verify_ms"] is not None for r in rs):
+            ax.plot([r["total_tokens"] for r in rs], [r["verify_ms"] for r in rs], "x--", color=line.get_color(),
+                    alpha=0.6, label=f"verify, batch {bsz}")
         ax.axhline(rs[0]["plain_step_ms"], color=line.get_color(), ls=":", alpha=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens verified per round (total_tokens N)")
@@ -237,7 +244,7 @@ def main(argv=None):
         prompts = load_prompts(target, args.questions, bsz)
         calib = load_prompts(target, args.questions, max(bsz, args.calibration_prompts))
         rows += measure(target, draft, prompts, args.depth, args.top_k, sizes, args.repeats, args.max_new_tokens,
-                        args.calibration_rounds, calib)
+                        args.calibration_rounds, calib, args.parts)
         write(rows, args.out)
     print("\n".join(write(rows, args.out)))
     print(f"wrote {args.out}/roundcost.json, roundcost.md, roundcost.png")

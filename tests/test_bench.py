@@ -52,3 +52,35 @@ def test_batch_costs_are_counted_once_per_batch(tmp_path, monkeypatch):
     assert s["greedy_identical"] is True
     assert abs(s["speedup_eagle_vs_plain"] - 1.0) < 1e-9
     assert (out / "results.md").exists() and (out / "results.png").exists()
+
+
+class SlowHF:
+    """A transformers stand-in: the same tokens, 4 s per answer."""
+
+    def __init__(self, name, target, args, pld=False):
+        pass
+
+    def __call__(self, prompts):
+        return [[len(p), 1, 2] for p in prompts], 4.0 * len(prompts), 0.0, None
+
+
+def test_hf_limit_compares_on_the_same_answers(tmp_path, monkeypatch):
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [f"question {i}"]}) + "\n"
+                         for i in range(5)))
+    target = types.SimpleNamespace(tokenizer=FakeTokenizer())
+    monkeypatch.setattr(eagle2_jax, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(eagle2_jax, "load_draft", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "Ours", FakeRunner)
+    monkeypatch.setattr(bench, "HF", SlowHF)
+    import infer.generate
+    monkeypatch.setattr(infer.generate, "tree_for", lambda *a: eagle2_jax.TreeConfig(2, 2, 4))
+    out = tmp_path / "out"
+    bench.main(["--questions", str(q), "--methods", "plain,eagle,hf", "--hf-limit", "2", "--out", str(out)])
+    data = json.load(open(out / "results.json"))
+    s = data["summary"]
+    assert sum(r["method"] == "hf" for r in data["rows"]) == 2  # only the first two questions
+    assert sum(r["method"] == "plain" for r in data["rows"]) == 5
+    assert s["hf_answers"] == 2
+    assert abs(s["speedup_plain_vs_hf"] - 2.0) < 1e-9  # 2 s vs 4 s per answer of 3 tokens
+    assert abs(s["speedup_eagle_vs_hf"] - 2.0) < 1e-9

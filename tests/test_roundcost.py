@@ -24,3 +24,26 @@ def test_roundcost_rows_and_outputs(tmp_path):
     assert saved["chosen"]["2"]["total_tokens"] in (2, 4, 11)
     assert "**chosen**" in (tmp_path / "roundcost.md").read_text()
     assert (tmp_path / "roundcost.png").exists()
+
+
+def test_round_only_and_random_shapes(tmp_path):
+    from eagle2_jax import load_draft, load_target
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)))
+    t = load_target(f"random:{cfg}")
+    assert t.tokenizer is None and t.config.hidden_size == 32 and t.source == f"random:{cfg}"
+    d = load_draft("random", t)
+    assert d.config.hidden_size == 32
+    rows = roundcost.measure(t, d, roundcost.load_prompts(t, None, 1), depth=2, top_k=2, sizes=[2, 4], repeats=1,
+                             calibration_rounds=1, parts="round")
+    assert all(r["draft_ms"] is None and r["round_ms"] > 0 for r in rows)
+    roundcost.write(rows, str(tmp_path))
+    assert " - | - | - |" in (tmp_path / "roundcost.md").read_text()
+
+
+def test_unknown_random_shape_is_refused():
+    import pytest
+    from eagle2_jax import CheckpointError, load_target
+    with pytest.raises(CheckpointError, match="random:llama-3.1-8b"):
+        load_target("random:no-such-shape")

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 5, for a lent accelerator, in two calls on one warm machine:
+#
+#   bash scripts/gpu_bench.sh a    # lossless tests on the GPU, round cost of a random Llama-3.1-8B shape (bf16)
+#   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head: infer.bench on all 80 MT-bench first turns
+#
+# Nothing can be downloaded there, so the files travel: .gpu/ (ignored by git) holds the gguf wheel
+# (.gpu/whl), the question file (.gpu/data/mt_bench.jsonl) and the 98 MB SmolLM2 GGUF split in two halves
+# (.gpu/a/model.part, .gpu/b/model.part), since one call carries at most 64 MiB. Call a leaves its half in
+# /tmp/model; call b, run while the machine is still warm, joins them. Outputs land in $OUT (logs, JSON).
+# Every step runs under `timeout` so the call always ends with what it measured.
+set -u
+PHASE=${1:?usage: gpu_bench.sh a|b}
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT" /tmp/model /tmp/res
+exec > >(tee -a "$OUT/log_$PHASE.txt") 2>&1
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+GGUF=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
+QS=.gpu/data/mt_bench.jsonl
+RC_MODEL=${RC_MODEL:-random:llama-3.1-8b}   # (a dry run here: RC_MODEL=random:smollm2-135m LIMIT=2 NEW=16)
+LIMIT=${LIMIT:-}
+NEW=${NEW:-256}
+stamp() { echo "=== [$SECONDS s] $*"; }
+
+if [ "$PHASE" = a ]; then
+  cp .gpu/a/model.part /tmp/model/a.part
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, \
+'optax', optax.__version__, 'transformers', transformers.__version__); print(jax.devices())"
+  stamp "lossless tests on the GPU (tiny random float32 models: EAGLE-2 greedy identity grid, batch, EOS)"
+  timeout 100 python3 -m pytest -x -q -p no:cacheprovider tests/test_eagle_greedy.py \
+    -k "greedy_identity_grid or batch_equals or eos_mid_round" 2>&1 | tail -4
+  stamp "round cost: random Llama-3.1-8B shape, bfloat16, random head (times only), batch 1"
+  timeout 200 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 --depth 5 \
+    --top-k 10 --total-tokens 2,16,64 --parts round --repeats 10 --calibration-rounds 1 --calibration-prompts 1 \
+    --out /tmp/res/rc8b 2>&1 | grep -v "batch sizes"
+  cp /tmp/res/rc8b/roundcost.json "$OUT/rc8b.json" 2>/dev/null
+  stamp "done a"
+else
+  if [ ! -f /tmp/model/a.part ]; then echo "no /tmp/model/a.part: the machine was not the one call a ran on"; exit 3; fi
+  cat /tmp/model/a.part .gpu/b/model.part > "$GGUF"
+  md5sum "$GGUF"  # a1231443440b107ff29f02bdb38c9d0a
+  export JAX_DEFAULT_MATMUL_PRECISION=highest  # float32 matmuls in float32, not TF32
+  stamp "bench: all 80 MT-bench first turns, T=0, batch 1, reference tree 5/10/60; transformers on the first 10"
+  timeout 330 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" \
+    --methods plain,eagle,hf --hf-limit 10 --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens $NEW ${LIMIT:+--limit $LIMIT} \
+    --out /tmp/res/t0 2>&1 | grep -v "^bench:"
+  cp /tmp/res/t0/results.json "$OUT/bench_t0.json" 2>/dev/null
+  stamp "bench: first 16, T=0, batch 4"
+  timeout 100 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" --limit ${LIMIT:-16} \
+    --methods plain,eagle --batch 4 --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens $NEW \
+    --out /tmp/res/b4 2>&1 | grep -v "^bench:"
+  cp /tmp/res/b4/results.json "$OUT/bench_b4.json" 2>/dev/null
+  stamp "done b"
+fi
