@@ -30,10 +30,10 @@ if [ "$PHASE" = a ]; then
   python3 -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, \
 'optax', optax.__version__, 'transformers', transformers.__version__); print(jax.devices())"
   stamp "lossless tests on the GPU (tiny random float32 models: EAGLE-2 greedy identity grid, batch, EOS)"
-  timeout 100 python3 -m pytest -x -q -p no:cacheprovider tests/test_eagle_greedy.py \
+  timeout 80 python3 -m pytest -x -q -p no:cacheprovider tests/test_eagle_greedy.py \
     -k "greedy_identity_grid or batch_equals or eos_mid_round" 2>&1 | tail -4
   stamp "round cost: random Llama-3.1-8B shape, bfloat16, random head (times only), batch 1"
-  timeout 200 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 --depth 5 \
+  timeout 160 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 --depth 5 \
     --top-k 10 --total-tokens 2,16,64 --parts round --repeats 10 --calibration-rounds 1 --calibration-prompts 1 \
     --out /tmp/res/rc8b 2>&1 | grep -v "batch sizes"
   cp /tmp/res/rc8b/roundcost.json "$OUT/rc8b.json" 2>/dev/null
@@ -44,12 +44,12 @@ else
   md5sum "$GGUF"  # a1231443440b107ff29f02bdb38c9d0a
   export JAX_DEFAULT_MATMUL_PRECISION=highest  # float32 matmuls in float32, not TF32
   stamp "bench: all 80 MT-bench first turns, T=0, batch 1, reference tree 5/10/60; transformers on the first 10"
-  timeout 330 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" \
+  timeout 300 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" \
     --methods plain,eagle,hf --hf-limit 10 --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens $NEW ${LIMIT:+--limit $LIMIT} \
     --out /tmp/res/t0 2>&1 | grep -v "^bench:"
   cp /tmp/res/t0/results.json "$OUT/bench_t0.json" 2>/dev/null
   stamp "bench: first 16, T=0, batch 4"
-  timeout 100 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" --limit ${LIMIT:-16} \
+  timeout 70 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" --limit ${LIMIT:-16} \
     --methods plain,eagle --batch 4 --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens $NEW \
     --out /tmp/res/b4 2>&1 | grep -v "^bench:"
   cp /tmp/res/b4/results.json "$OUT/bench_b4.json" 2>/dev/null
