@@ -58,12 +58,17 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-def _best(fn, make_args, repeats):
+def _best(fn, make_args, repeats, first_call=None):
     """Best wall time (ms) of fn(*make_args()) after a warm-up call (autotune.best_time: the programs
-    donate what they update, as the generation loop does, so each call gets fresh copies)."""
+    donate what they update, as the generation loop does, so each call gets fresh copies). The
+    warm-up's seconds (compile included) are appended to `first_call` when given."""
+    import time
     import jax
     from eagle2_jax.autotune import best_time
+    t0 = time.perf_counter()
     jax.block_until_ready(fn(*make_args()))  # compile + warm
+    if first_call is not None:
+        first_call.append(time.perf_counter() - t0)
     return best_time(fn, make_args, repeats) * 1e3
 
 
@@ -137,7 +142,7 @@ def load_prompts(target, path, n):
 
 
 def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int, max_new: int = 256,
-            calibration_rounds: int = 16, calibration_prompts=None, parts: str = "all"):
+            calibration_rounds: int = 16, calibration_prompts=None, parts: str = "all", on_row=None):
     """Rows: dict(batch, depth, top_k, total_tokens, draft_ms, verify_ms, accept_ms, round_ms, expected_tau
     (measured), estimated_tau (draft scores), tokens_per_s) plus the plain step time for this batch.
     Caches are sized for max_new new tokens, as a generation of that length sizes them (attention
@@ -181,16 +186,20 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
                        accept_ms=_best(lambda s_, tc, dc: p_accept(tp, dp, s_, t, feats, logits, tc, dc, tm=tm,
                                                                    dm=dm, tree=tree),
                                        lambda: fresh_copy((st, tcache, dcache)), repeats))
+        first = []
         row.update(round_ms=_best(lambda s_: p_round(tp, dp, s_, tm=tm, dm=dm, tree=tree),
-                                  lambda: (fresh_copy(st),), repeats),
+                                  lambda: (fresh_copy(st),), repeats, first),
                    expected_tau=acc.measured_tau(n), estimated_tau=acc.estimated_tau(n))
+        row["round_compile_s"] = first[0]  # the round program's first call: compile + one run
         row["tokens_per_s"] = batch * row["expected_tau"] / row["round_ms"] * 1e3
         row["plain_tokens_per_s"] = batch / plain * 1e3
         rows.append(row)
+        if on_row is not None:  # e.g. write what is measured so far: a run cut off keeps it
+            on_row(rows)
     return rows
 
 
-def write(rows, out):
+def write(rows, out, figure=True):
     os.makedirs(out, exist_ok=True)
     best = {}
     for r in rows:
@@ -208,6 +217,8 @@ def write(rows, out):
                      f"{r['expected_tau']:.2f} | {r['estimated_tau']:.2f} | {r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} |")
     with open(os.path.join(out, "roundcost.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    if not figure:
+        return lines
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -243,9 +254,10 @@ def main(argv=None):
     for bsz in tqdm([int(x) for x in args.batch.split(",")], desc="batch sizes", unit="batch"):
         prompts = load_prompts(target, args.questions, bsz)
         calib = load_prompts(target, args.questions, max(bsz, args.calibration_prompts))
+        done = list(rows)
         rows += measure(target, draft, prompts, args.depth, args.top_k, sizes, args.repeats, args.max_new_tokens,
-                        args.calibration_rounds, calib, args.parts)
-        write(rows, args.out)
+                        args.calibration_rounds, calib, args.parts,
+                        on_row=lambda rs: write(done + rs, args.out, figure=False))
     print("\n".join(write(rows, args.out)))
     print(f"wrote {args.out}/roundcost.json, roundcost.md, roundcost.png")
 

@@ -8,7 +8,10 @@
 # (.gpu/whl), the question file (.gpu/data/mt_bench.jsonl) and the 98 MB SmolLM2 GGUF split in two halves
 # (.gpu/a/model.part, .gpu/b/model.part), since one call carries at most 64 MiB. Call a leaves its half in
 # /tmp/model; call b, run while the machine is still warm, joins them. Outputs land in $OUT (logs, JSON).
-# Every step runs under `timeout` so the call always ends with what it measured.
+# Every step runs under `timeout` so the call always ends with what it measured (bench and roundcost
+# rewrite their JSON as they go). First run, 2026-12-04, H200: call a took 249 s (the tests and the 8B
+# round cost both hit their timeouts: GPU compiles of the 30-32-layer programs take 20-60 s each),
+# call b 372 s (bench compile 28 s per prompt-length bucket and method; transformers 8 s per answer).
 set -u
 PHASE=${1:?usage: gpu_bench.sh a|b}
 OUT=${OUT:-runs/gpu}
@@ -30,10 +33,10 @@ if [ "$PHASE" = a ]; then
   python3 -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, \
 'optax', optax.__version__, 'transformers', transformers.__version__); print(jax.devices())"
   stamp "lossless tests on the GPU (tiny random float32 models: EAGLE-2 greedy identity grid, batch, EOS)"
-  timeout 80 python3 -m pytest -x -q -p no:cacheprovider tests/test_eagle_greedy.py \
+  timeout 120 python3 -m pytest -x -q -p no:cacheprovider tests/test_eagle_greedy.py \
     -k "greedy_identity_grid or batch_equals or eos_mid_round" 2>&1 | tail -4
   stamp "round cost: random Llama-3.1-8B shape, bfloat16, random head (times only), batch 1"
-  timeout 160 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 --depth 5 \
+  timeout 240 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 --depth 5 \
     --top-k 10 --total-tokens 2,16,64 --parts round --repeats 10 --calibration-rounds 1 --calibration-prompts 1 \
     --out /tmp/res/rc8b 2>&1 | grep -v "batch sizes"
   cp /tmp/res/rc8b/roundcost.json "$OUT/rc8b.json" 2>/dev/null
@@ -43,9 +46,9 @@ else
   cat /tmp/model/a.part .gpu/b/model.part > "$GGUF"
   md5sum "$GGUF"  # a1231443440b107ff29f02bdb38c9d0a
   export JAX_DEFAULT_MATMUL_PRECISION=highest  # float32 matmuls in float32, not TF32
-  stamp "bench: all 80 MT-bench first turns, T=0, batch 1, reference tree 5/10/60; transformers on the first 10"
-  timeout 300 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" \
-    --methods plain,eagle,hf --hf-limit 10 --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens $NEW ${LIMIT:+--limit $LIMIT} \
+  stamp "bench: all 80 MT-bench first turns, T=0, batch 1, reference tree 5/10/60; transformers on the first 3"
+  timeout 330 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" \
+    --methods plain,eagle,hf --hf-limit 3 --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens $NEW ${LIMIT:+--limit $LIMIT} \
     --out /tmp/res/t0 2>&1 | grep -v "^bench:"
   cp /tmp/res/t0/results.json "$OUT/bench_t0.json" 2>/dev/null
   stamp "bench: first 16, T=0, batch 4"
