@@ -33,11 +33,45 @@ def target_probs(logits_NV: jax.Array, s: SamplingConfig) -> jax.Array:
     return jax.nn.softmax(process_logits(logits_NV, s), axis=-1)
 
 
+BLOCK = 128  # categorical(): tokens per block of the two-level inverse CDF
+
+
+def _first_above(cum, x, live):
+    """Index of the first live entry whose cumulative mass exceeds x; the last live entry when
+    rounding leaves none (a dead entry, of zero mass, is never returned when one is live)."""
+    n = cum.shape[0]
+    above = (cum > x) & live
+    last_live = n - 1 - jnp.argmax(live[::-1])
+    return jnp.where(jnp.any(above), jnp.argmax(above), last_live).astype(jnp.int32)
+
+
+def categorical(key, logits_V: jax.Array) -> jax.Array:
+    """One index drawn from softmax(logits_V) ([V]) with a single uniform number.
+
+    A two-level inverse CDF: cumulative block masses pick a block of BLOCK tokens, the cumulative
+    masses inside it pick the token. (jax.random.categorical, Gumbel-max, draws V random numbers,
+    which on CPU costs ten times a softmax over a 49,152-token vocabulary.) An index of zero
+    probability (e.g. a NEG_INF-filtered token) is never returned, whatever the rounding.
+    """
+    V = logits_V.shape[-1]
+    nb = -(-V // BLOCK)
+    p = jax.nn.softmax(logits_V.astype(jnp.float32), axis=-1)
+    p = jnp.pad(p, (0, nb * BLOCK - V)).reshape(nb, BLOCK)
+    mass = jnp.sum(p, axis=-1)  # [nb]
+    cum = jnp.cumsum(mass)
+    u = jax.random.uniform(key, (), jnp.float32) * cum[-1]
+    b = _first_above(cum, u, mass > 0)
+    row = p[b]  # [BLOCK]
+    within = u - (cum[b] - mass[b])
+    i = _first_above(jnp.cumsum(row), within, row > 0)
+    return b * BLOCK + i
+
+
 def sample_token(key, logits_V: jax.Array, s: SamplingConfig) -> jax.Array:
     """One token from one row's logits: argmax when greedy, else from the processed distribution."""
     if s.greedy:
         return jnp.argmax(logits_V, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, process_logits(logits_V, s), axis=-1).astype(jnp.int32)
+    return categorical(key, process_logits(logits_V, s))
 
 
 def row_keys(seed_key, batch: int):

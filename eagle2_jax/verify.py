@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .config import SamplingConfig
 from .layers import NEG_INF
-from .sampling import process_logits
+from .sampling import categorical, process_logits
 from .tree import Tree
 
 
@@ -60,7 +60,7 @@ def _walk_row(q_N, parents_N, skip_N, key):
 def _bonus_row(logits_V, tokens_N, parents_N, cur, key):
     """The next token from the final node's processed logits minus its children (all rejected)."""
     rejected = jnp.zeros(logits_V.shape, bool).at[tokens_N].max(parents_N == cur)
-    return jax.random.categorical(key, jnp.where(rejected, NEG_INF, logits_V)).astype(jnp.int32)
+    return categorical(key, jnp.where(rejected, NEG_INF, logits_V))
 
 
 def accept_sampling(tree: Tree, logits_BNV: jax.Array, keys_B: jax.Array, max_len: int,

@@ -142,6 +142,8 @@ def main(argv=None):
         sys.exit("error: no questions selected")
     target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
     tok = target.tokenizer
+    if tok is None:
+        sys.exit(f"error: {args.model} has no tokenizer (random weights?): time it with python -m infer.roundcost")
     runners = {}
     tree = None
     for m in methods:

@@ -137,7 +137,8 @@ def _reference_accept(probs_NV, tokens_N, parents_N, key):
         return jnp.where(take, j, cur), jnp.where(take, probs_NV[j], jnp.where(reject, p.at[x].set(0.0), p))
 
     cur, p = jax.lax.fori_loop(1, N, body, (jnp.int32(0), probs_NV[0]))
-    bonus = jax.random.categorical(k_bonus, jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -1e30))
+    from eagle2_jax.sampling import categorical  # the shared sampler (tested on its own below)
+    bonus = categorical(k_bonus, jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -1e30))
     return cur, bonus.astype(jnp.int32)
 
 
@@ -168,3 +169,36 @@ def test_scalar_walk_equals_reference_rule():
     agree = (np.asarray(n_acc) == ref_n) & (np.asarray(bonus) == np.asarray(ref_bonus))
     assert np.asarray(n_acc).max() > 2 and (np.asarray(n_acc) == 1).any()  # the cases are not trivial
     assert agree.mean() > 0.999, f"{(~agree).sum()} of {B} rows differ from the reference rule"
+
+
+def _categorical_counts(logits, n, seed=0):
+    from eagle2_jax.sampling import categorical
+    keys = jax.random.split(jax.random.PRNGKey(seed), n)
+    draws = np.asarray(jax.jit(jax.vmap(categorical, (0, None)))(keys, logits))
+    return np.bincount(draws, minlength=logits.shape[0])
+
+
+def test_two_level_categorical_matches_softmax():
+    """sampling.categorical (one uniform, block then token) against exact softmax probabilities, over
+    several 128-token blocks, a filtered (NEG_INF) block, filtered tokens inside live blocks and a
+    ragged last block; zero-probability tokens are never drawn. A shifted distribution must fail."""
+    from eagle2_jax.layers import NEG_INF
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=700).astype(np.float32) * 2.0
+    x[128:256] = NEG_INF  # a dead block
+    x[rng.choice(700, 300, replace=False)] = NEG_INF
+    logits = jnp.asarray(x)
+    p = np.asarray(jax.nn.softmax(logits), np.float64)
+    counts = _categorical_counts(logits, 200_000)
+    assert counts[p == 0].sum() == 0
+    assert chi_square_p(counts, p)[0] > P_THRESHOLD
+    shifted = np.roll(p, 1)  # the power check: the same counts against a wrong distribution
+    assert chi_square_p(counts, shifted / shifted.sum())[0] < P_THRESHOLD
+
+
+def test_two_level_categorical_single_live_token():
+    from eagle2_jax.layers import NEG_INF
+    x = np.full(1000, NEG_INF, np.float32)
+    x[517] = 0.0
+    counts = _categorical_counts(jnp.asarray(x), 2000, seed=1)
+    assert counts[517] == 2000
