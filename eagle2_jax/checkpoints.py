@@ -207,22 +207,28 @@ def load_hf_dir(directory: str, dtype="float32", mesh=None, tokenizer: bool = Tr
     return Target(config, shard_params(params, mesh), tok, dt, mesh, source=directory)
 
 
-def _gguf_reader(path: str):
+def _open_gguf(path: str):
     import gguf
-    if not os.path.exists(path):
-        raise CheckpointError(f"GGUF file not found: {path}")
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - the gguf package raises assorted errors on bad files
         raise CheckpointError(f"corrupt GGUF file {path}: {type(e).__name__}: {e}") from None
 
 
+def _gguf_reader(path: str):
+    """What load_gguf reads of the file (file_cache.GGUFIndex: metadata + memory-mapped tensors),
+    parsed once and then taken from the cache."""
+    from .file_cache import gguf_index
+    if not os.path.exists(path):
+        raise CheckpointError(f"GGUF file not found: {path}")
+    try:
+        return gguf_index(path, _open_gguf)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def _gguf_field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+    return reader.field(key, default)
 
 
 def gguf_config(reader, path: str) -> ModelConfig:
@@ -233,7 +239,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     n_vocab = g("vocab_size")
     if n_vocab is None:
-        n_vocab = len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
+        n_vocab = _gguf_field(reader, "tokenizer.ggml.tokens#count", 0)
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     return ModelConfig(
@@ -360,9 +366,8 @@ def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True, pac
         params = shard_params(params, mesh)
     tok = None
     if tokenizer:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                            gguf_file=os.path.basename(path))
+        from .file_cache import gguf_tokenizer
+        tok = gguf_tokenizer(path)
     return Target(config, params, tok, dt, mesh, source=path)
 
 

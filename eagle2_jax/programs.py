@@ -57,6 +57,35 @@ class Program:
         return exe
 
 
+COMPILE_CACHE_SWITCH = "EAGLE2_JAX_COMPILE_CACHE"  # "0": no persistent compilation cache
+
+
+def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
+    """Keep compiled programs on disk (JAX's persistent compilation cache), so that a second run of
+    the same programs loads them instead of compiling (tens of seconds per program and prompt bucket).
+
+    Default directory: $EAGLE2_JAX_CACHE/xla (else ~/.cache/eagle2_jax/xla), one subdirectory per
+    backend and, on CPU, per processor (XLA:CPU compiles for the host's instruction set). Leaves a
+    directory the user already configured alone; EAGLE2_JAX_COMPILE_CACHE=0 turns it off. The
+    command-line tools call this; the library never does on its own. Returns the directory or None.
+    """
+    import hashlib
+    import os
+    if os.environ.get(COMPILE_CACHE_SWITCH, "1") == "0":
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    if path is None:
+        from .cpu_kernels import _cpu_signature
+        from .file_cache import root
+        backend = jax.default_backend()
+        tag = backend + ("-" + hashlib.sha256(_cpu_signature().encode()).hexdigest()[:12] if backend == "cpu" else "")
+        path = os.path.join(str(root()), "xla", tag)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return path
+
+
 def run(loop: Program, init: Program, step: Program, args: tuple, static: dict, step_args: tuple,
         step_static: dict, rows: int, stream=None, timings: Optional[dict] = None, compile_only: bool = False):
     """Run a whole generation on device (`loop`), or step it from the host when streaming.

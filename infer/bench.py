@@ -131,6 +131,8 @@ def render(tok, messages):
 def main(argv=None):
     args = parse(argv)
     from tqdm import tqdm
+    from eagle2_jax.programs import enable_compile_cache
+    enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
 
     from eagle2_jax import load_draft, load_target
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

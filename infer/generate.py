@@ -85,6 +85,8 @@ def tree_for(args, draft, target=None, prompts=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    from eagle2_jax.programs import enable_compile_cache
+    enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
     from eagle2_jax import CheckpointError, generate, generate_vanilla, load_draft, load_target, parse_mesh
     from eagle2_jax.draft_io import NAMED_DRAFTS
 

@@ -245,6 +245,8 @@ def write(rows, out, figure=True):
 
 def main(argv=None):
     args = parse(argv)
+    from eagle2_jax.programs import enable_compile_cache
+    enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
     from tqdm import tqdm
     from eagle2_jax import load_draft, load_target
     target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)

@@ -3,6 +3,8 @@ import os
 # 8 host devices for the sharding tests; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the command-line tools enable JAX's persistent compilation cache; tests that call them stay hermetic
+os.environ.setdefault("EAGLE2_JAX_COMPILE_CACHE", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -84,3 +84,23 @@ def test_hf_limit_compares_on_the_same_answers(tmp_path, monkeypatch):
     assert s["hf_answers"] == 2
     assert abs(s["speedup_plain_vs_hf"] - 2.0) < 1e-9  # 2 s vs 4 s per answer of 3 tokens
     assert abs(s["speedup_eagle_vs_hf"] - 2.0) < 1e-9
+
+
+def test_compile_cache_directory_and_switch(monkeypatch, tmp_path):
+    import jax
+    from eagle2_jax import programs
+    monkeypatch.setenv("EAGLE2_JAX_COMPILE_CACHE", "0")
+    assert programs.enable_compile_cache() is None
+    monkeypatch.setenv("EAGLE2_JAX_COMPILE_CACHE", "1")
+    monkeypatch.setenv("EAGLE2_JAX_CACHE", str(tmp_path))
+    old_dir = jax.config.jax_compilation_cache_dir
+    old_min = jax.config.jax_persistent_cache_min_compile_time_secs
+    try:  # (nothing compiles in between, so the process's cache state is untouched)
+        jax.config.update("jax_compilation_cache_dir", None)
+        path = programs.enable_compile_cache()
+        assert path.startswith(str(tmp_path / "xla" / jax.default_backend()))
+        assert jax.config.jax_compilation_cache_dir == path
+        assert programs.enable_compile_cache() == path  # a configured directory is left alone
+    finally:
+        jax.config.update("jax_compilation_cache_dir", old_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", old_min)

@@ -62,9 +62,8 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("EAGLE2_JAX_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle2_jax")
-    return Path(root)
+    from ..file_cache import root
+    return root()
 
 
 def _cpu_signature() -> str:
