@@ -4,7 +4,7 @@ Parsing the SmolLM2 GGUF with `gguf.GGUFReader` takes ~4.5 s (it builds a numpy 
 the ~100k strings of the embedded tokenizer), and transformers' GGUF tokenizer conversion reads the
 file again and takes ~12 s; together most of `load_target`'s time. The first load writes
   <root>/gguf/<key>/index.json      the scalar metadata, and each tensor's type, shape and offset
-  <root>/gguf/<key>/tokenizer/      tokenizer.save_pretrained (loads in ~0.2 s)
+  <root>/gguf/<key>/tokenizer-<transformers version>/   tokenizer.save_pretrained (loads in ~0.2 s)
 where <key> hashes the file's absolute path, size and modification time, so an edited or replaced
 file gets a new entry. <root> is $EAGLE2_JAX_CACHE (default ~/.cache/eagle2_jax), shared with the
 CPU kernels' build. EAGLE2_JAX_FILE_CACHE=0 reads the GGUF itself every time. An unwritable cache
@@ -157,8 +157,10 @@ def gguf_index(path: str, open_reader: Callable[[str], Any]) -> GGUFIndex:
 
 def gguf_tokenizer(path: str):
     """transformers' tokenizer of a GGUF file (its conversion, the first time; then the saved copy)."""
+    import transformers
     from transformers import AutoTokenizer
-    d = entry(path) / "tokenizer" if enabled() else None
+    # saved per transformers version: another version re-converts rather than trusting an older save
+    d = entry(path) / f"tokenizer-{transformers.__version__}" if enabled() else None
     if d is not None and (d / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(str(d))

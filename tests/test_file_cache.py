@@ -37,7 +37,8 @@ def test_gguf_index_and_tokenizer_match_the_file(cache):
         assert np.array_equal(t.data, w.data), t.name
 
     tok = file_cache.gguf_tokenizer(path)  # converted from the GGUF, then saved
-    assert (file_cache.entry(path) / "tokenizer" / "tokenizer_config.json").exists()
+    import transformers
+    assert (file_cache.entry(path) / f"tokenizer-{transformers.__version__}" / "tokenizer_config.json").exists()
     again = file_cache.gguf_tokenizer(path)
     msgs = [{"role": "user", "content": "Hello! Ünïcödé, 日本語, code: `x = 2**10`\n\ttabs"}]
     for t in (tok, again):
