@@ -69,7 +69,9 @@ def main():
         tx, tk = best(xla, x, layers, embed), best(kern, x, layers, embed)
         line = f"| {m} | {tx:.1f} | {tk:.1f} | {tx / tk:.2f}x |"
         if a.packed:
-            same = bool(jnp.array_equal(kern_all(x, layers_f, embed_f), packed_fn(x, layers_q, embed_q)))
+            # the random chain can overflow to NaN in a row (it did at 2 rows): NaN in the same places is equal
+            same = bool(np.array_equal(np.asarray(kern_all(x, layers_f, embed_f)),
+                                       np.asarray(packed_fn(x, layers_q, embed_q)), equal_nan=True))
             line += f" {best(packed_fn, x, layers_q, embed_q):.1f} | {same} |"
         print(line, flush=True)
 
