@@ -12,6 +12,7 @@
 # rewrite their JSON as they go). First run, 2026-12-04, H200: call a took 249 s (the tests and the 8B
 # round cost both hit their timeouts: GPU compiles of the 30-32-layer programs take 20-60 s each),
 # call b 372 s (bench compile 28 s per prompt-length bucket and method; transformers 8 s per answer).
+# Untried lead for the compile time: XLA_FLAGS=--xla_gpu_autotune_level=0 (no GEMM autotuning).
 set -u
 PHASE=${1:?usage: gpu_bench.sh a|b}
 OUT=${OUT:-runs/gpu}
