@@ -6,6 +6,7 @@ architectures and missing tensors raise one-line errors.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -342,6 +343,11 @@ def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True, pac
     import gguf
     reader = _gguf_reader(path)
     config = gguf_config(reader, path)
+    if tokenizer:
+        from .file_cache import gguf_tokenizer_cached
+        if not gguf_tokenizer_cached(path) and importlib.util.find_spec("torch") is None:
+            raise CheckpointError(f"reading the tokenizer of {path} needs PyTorch (transformers converts GGUF "
+                                  "tokenizers with it): pip install torch, or load with tokenizer=False")
     dt = resolve_dtype(dtype)
 
     def loader(t):
@@ -385,6 +391,26 @@ def _smollm2_gguf() -> str:
 
 
 NAMED_TARGETS: dict[str, Callable[[], str]] = {"smollm2-135m-instruct": _smollm2_gguf}
+# tokenizers shipped with the package for named GGUF targets (transformers' GGUF conversion needs torch)
+TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
+NAMED_TOKENIZERS = {"smollm2-135m-instruct": os.path.join(TARGETS_DIR, "smollm2-135m-instruct")}
+
+
+def shipped_tokenizer(directory: str):
+    """A tokenizer kept in the package (tokenizer.json.gz + tokenizer_meta.json), built directly on
+    the `tokenizers` library: no GGUF conversion, no PyTorch."""
+    import gzip
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    try:
+        with gzip.open(os.path.join(directory, "tokenizer.json.gz"), "rt", encoding="utf-8") as f:
+            tok = Tokenizer.from_str(f.read())
+        with open(os.path.join(directory, "tokenizer_meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError, Exception) as e:  # noqa: BLE001 - tokenizers raises its own exception type
+        raise CheckpointError(f"corrupt shipped tokenizer in {directory}: {e}") from None
+    kw = {k: meta[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template") if meta.get(k)}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
 
 # Random weights of published shapes, for timing rounds where the real weights cannot travel
 # (`random:llama-3.1-8b`); also `random:<config.json>`. Nothing they generate means anything.
@@ -431,7 +457,6 @@ def load_target(source: str, dtype="float32", mesh=None, tokenizer: bool = True,
     (`random:llama-3.1-8b`, see RANDOM_SHAPES; no tokenizer), for timing."""
     resolve_dtype(dtype)
     if str(source).startswith(RANDOM_PREFIX):
-        import dataclasses
         from .model import init_target
         config = random_config(str(source))
         if packed:
@@ -441,7 +466,11 @@ def load_target(source: str, dtype="float32", mesh=None, tokenizer: bool = True,
     if os.path.isdir(path):
         return load_hf_dir(path, dtype, mesh, tokenizer)
     if path.endswith(".gguf"):
-        return load_gguf(path, dtype, mesh, tokenizer, packed)
+        shipped = NAMED_TOKENIZERS.get(str(source)) if tokenizer else None
+        target = load_gguf(path, dtype, mesh, tokenizer and shipped is None, packed)
+        if shipped is not None:
+            target = dataclasses.replace(target, tokenizer=shipped_tokenizer(shipped))
+        return target
     if packed:
         raise CheckpointError(f"cannot keep {path!r} packed: only GGUF files are")
     raise CheckpointError(f"cannot load {path!r}: expected a directory with config.json or a .gguf file")

