@@ -65,7 +65,8 @@ def test_dot_general_dispatch_and_fallback():
     assert g(h, o).shape == (1, 2, 96)
     emb = jnp.ones((50, 96), jnp.float32)  # tied embedding [V, D] as LM head
     lm = lambda a, b: few_rows.dot_general(a, b, (((2,), (1,)), ((), ())))  # noqa: E731
-    assert _uses_kernel(lm, x8[:1], emb) and not _uses_kernel(lm, x8, emb)  # 4 rows yes, 8 no
+    x12 = jnp.ones((3, 4, 96), jnp.float32)
+    assert _uses_kernel(lm, x8, emb) and not _uses_kernel(lm, x12, emb)  # 8 rows yes, 12 no
 
 
 def test_gradients_flow_through_xla():

@@ -34,7 +34,7 @@ def test_q4_kernel_is_float32_kernel_on_dequantised_weights(rows, K, N):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 8, 11])
 def test_q8_nt_kernel_is_float32_kernel_on_dequantised_weights(rows):
     rng = np.random.default_rng(rows)
     V, D = 203, 96  # V not a multiple of the kernel's 4 columns
@@ -44,6 +44,8 @@ def test_q8_nt_kernel_is_float32_kernel_on_dequantised_weights(rows):
     x = jnp.asarray(rng.standard_normal((rows, D), np.float32))
     got = cpu_kernels.q8_matmul_nt(x, jnp.asarray(q), jnp.asarray(d))
     assert np.array_equal(np.asarray(got), np.asarray(cpu_kernels.matmul(x, jnp.asarray(w), True)))
+    alone = cpu_kernels.q8_matmul_nt(x[-1:], jnp.asarray(q), jnp.asarray(d))  # a row as if decoded alone
+    assert np.array_equal(np.asarray(got)[-1:], np.asarray(alone))
 
 
 @needs_kernels

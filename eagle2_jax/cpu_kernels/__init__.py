@@ -57,7 +57,7 @@ SOURCE = Path(__file__).with_name("few_row_matmul.cc")
 ENV_SWITCH = "EAGLE2_JAX_CPU_KERNELS"
 ATTENTION_SWITCH = "EAGLE2_JAX_CPU_ATTENTION"  # "0": attention stays on XLA (the matmuls may not)
 NN_MAX_ROWS = 8  # x @ w[K, N]
-NT_MAX_ROWS = 4  # x @ w[N, K].T
+NT_MAX_ROWS = 8  # x @ w[N, K].T
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 

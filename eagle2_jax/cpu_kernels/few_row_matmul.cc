@@ -55,7 +55,7 @@ namespace {
 #endif
 constexpr int kLanes = E2_LANES;  // floats per vector
 constexpr int kMaxRows = 8;    // rows per pass over the weights (nn)
-constexpr int kMaxRowsNT = 4;  // rows per pass over the weights (nt)
+constexpr int kMaxRowsNT = 8;  // rows per pass over the weights (nt)
 constexpr int kKB = E2_KB;     // k per pass over the nn accumulators
 #ifndef E2_KBQ
 #define E2_KBQ 8
@@ -137,45 +137,45 @@ inline float hsum(vec v) {
 }
 
 // nt: columns [c0, c1) of y for rows [0, R), w rows are contiguous over K.
-// Four weight rows at a time; lane-wise partial sums over k, then a fixed
-// horizontal sum, then the scalar tail of K.  W gives the weights: a vector
-// w[c, k..k+kLanes) by wv(c, k) and a scalar by ws(c, k); the float32 and the
-// Q8_0 kernels share this code, so they add their products the same way.
+// G weight rows at a time (R x G accumulators in registers: 4 up to 4 rows,
+// fewer past that); lane-wise partial sums over k, then a fixed horizontal
+// sum, then the scalar tail of K.  An element's sum does not depend on G or
+// R.  W gives the weights: a vector w[c, k..k+kLanes) by wv(c, k) and a
+// scalar by ws(c, k); the float32 and the Q8_0 kernels share this code, so
+// they add their products the same way.
+template <int R>
+constexpr int nt_group() {
+  return R <= 4 ? 4 : (kLanes == 16 ? 2 : 1);  // AVX-512 has 32 vector registers, AVX2 16
+}
+
+template <int R, int G, class W>
+inline void nt_group_cols(const float* x, const W& w, float* y, int64_t K, int64_t N, int64_t c) {
+  const int64_t kv = K / kLanes * kLanes;
+  vec acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) acc[r][j] = vec{};
+  for (int64_t k = 0; k < kv; k += kLanes) {
+    vec b[G];
+    for (int j = 0; j < G; ++j) b[j] = w.wv(c + j, k);
+    for (int r = 0; r < R; ++r) {
+      const vec xr = load(x + r * K + k);
+      for (int j = 0; j < G; ++j) acc[r][j] = fmadd(xr, b[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) {
+      float s = hsum(acc[r][j]);
+      for (int64_t k = kv; k < K; ++k) s = fmadd(x[r * K + k], w.ws(c + j, k), s);
+      y[r * N + c + j] = s;
+    }
+}
+
 template <int R, class W>
 void nt_cols_of(const float* x, const W& w, float* y, int64_t K, int64_t N, int64_t c0, int64_t c1) {
-  const int64_t kv = K / kLanes * kLanes;
+  constexpr int G = nt_group<R>();
   int64_t c = c0;
-  for (; c + 4 <= c1; c += 4) {
-    vec acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = vec{};
-    for (int64_t k = 0; k < kv; k += kLanes) {
-      const vec b0 = w.wv(c, k), b1 = w.wv(c + 1, k), b2 = w.wv(c + 2, k), b3 = w.wv(c + 3, k);
-      for (int r = 0; r < R; ++r) {
-        const vec xr = load(x + r * K + k);
-        acc[r][0] = fmadd(xr, b0, acc[r][0]);
-        acc[r][1] = fmadd(xr, b1, acc[r][1]);
-        acc[r][2] = fmadd(xr, b2, acc[r][2]);
-        acc[r][3] = fmadd(xr, b3, acc[r][3]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) {
-        float s = hsum(acc[r][j]);
-        for (int64_t k = kv; k < K; ++k) s = fmadd(x[r * K + k], w.ws(c + j, k), s);
-        y[r * N + c + j] = s;
-      }
-  }
-  for (; c < c1; ++c)
-    for (int r = 0; r < R; ++r) {
-      vec acc = vec{};
-      for (int64_t k = 0; k < kv; k += kLanes) {
-        acc = fmadd(load(x + r * K + k), w.wv(c, k), acc);
-      }
-      float s = hsum(acc);
-      for (int64_t k = kv; k < K; ++k) s = fmadd(x[r * K + k], w.ws(c, k), s);
-      y[r * N + c] = s;
-    }
+  for (; c + G <= c1; c += G) nt_group_cols<R, G>(x, w, y, K, N, c);
+  for (; c < c1; ++c) nt_group_cols<R, 1>(x, w, y, K, N, c);
 }
 
 struct F32Rows {
@@ -200,7 +200,7 @@ struct NN {
 };
 template <int R>
 struct NT {
-  static constexpr ColsFn fn = nt_cols<R < 4 ? R : 4>;
+  static constexpr ColsFn fn = nt_cols<R>;
   static constexpr int max_rows = kMaxRowsNT;
 };
 
@@ -416,7 +416,7 @@ struct NNQ4 {
 };
 template <int R>
 struct NTQ8 {
-  static constexpr Q8Fn fn = nt_q8_cols<R < 4 ? R : 4>;
+  static constexpr Q8Fn fn = nt_q8_cols<R>;
 };
 
 template <template <int> class Kernel, class Fn>
