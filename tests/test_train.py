@@ -98,6 +98,12 @@ def test_training_lowers_loss_and_exports(tiny_run):
     assert json.load(open(root / "export" / "config.json"))["bias"] is True
     for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-2, rtol=2e-2)
+    # continuing from a head first evaluates that head (step 0): the same figures the run ended on
+    tdraft.main(_args(root, tdir, data, "cont", 1, ["--init-from", str(root / "run" / "final_orbax")]))
+    end = [r for r in _log(root, "run") if "eval_acc" in r][-1]
+    start = [r for r in _log(root, "cont") if "eval_acc" in r][0]
+    assert end["step"] == 40 and start["step"] == 0
+    assert (start["eval_acc"], start["eval_tau"]) == (end["eval_acc"], end["eval_tau"])
 
 
 def test_resume_continues_same_step_and_batches(tiny_run):

@@ -17,6 +17,8 @@ exported in the EAGLE format (bf16 safetensors) and in ours.
 `rollout: R` (> 1) adds R-1 steps in which the head reads its own predicted features, as tree
 drafting does at depth 2..R, with loss weights `rollout_decay**k` (see train.loss.draft_loss);
 the log then also reports acc_k, the top-1 accuracy k steps into the draft's own rollout.
+With `init_from` (a head to continue from), that head is evaluated on the held-out examples before
+the first step (step 0 in the log), the baseline the run's later evaluations compare against.
 """
 from __future__ import annotations
 
@@ -262,6 +264,20 @@ def main(argv=None):
         mngr.save(step, args=ocp.args.StandardSave({"params": draft.params, "opt_state": opt_state}), force=True)
         mngr.wait_until_finished()
 
+    def evaluate(step):
+        em = [eval_fn(draft.params, target.params, *held.batch(i), vocab_dev)
+              for i in range(max(1, len(heldout) // held.B))]
+        acc = float(np.mean([float(e["acc"]) for e in em]))
+        deeper = {f"eval_{k}": float(np.mean([float(e[k]) for e in em])) for k in em[0] if k.startswith("acc_")}
+        tau = eval_tau(target, draft, heldout, cfg, vocab)
+        rec = dict(step=step, eval_acc=acc, **deeper, eval_tau=tau, time=time.time())
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        tqdm.write(f"step {step}: held-out top-1 acc {acc:.3f}, tau {tau}")
+
+    if cfg["init_from"] and start == 0:
+        evaluate(0)  # the head it starts from, on the same held-out examples: the baseline
+
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(flag=True))
     step = start
@@ -289,15 +305,7 @@ def main(argv=None):
             if step % cfg["ckpt_every"] == 0:
                 save(step)
             if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
-                em = [eval_fn(draft.params, target.params, *held.batch(i), vocab_dev)
-                      for i in range(max(1, len(heldout) // held.B))]
-                acc = float(np.mean([float(e["acc"]) for e in em]))
-                deeper = {f"eval_{k}": float(np.mean([float(e[k]) for e in em])) for k in em[0] if k.startswith("acc_")}
-                tau = eval_tau(target, draft, heldout, cfg, vocab)
-                rec = dict(step=step, eval_acc=acc, **deeper, eval_tau=tau, time=time.time())
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
-                tqdm.write(f"step {step}: held-out top-1 acc {acc:.3f}, tau {tau}")
+                evaluate(step)
                 t_last = time.time()
     except KeyboardInterrupt:
         print("interrupted: saving a checkpoint")
