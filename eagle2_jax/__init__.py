@@ -3,6 +3,7 @@
 Lossless: greedy output is token-identical to plain decoding of the target, and sampled output
 follows the target's distribution.
 """
+from . import ops
 from .batching import GenerateOutput
 from .checkpoints import CheckpointError, load_target
 from .config import ModelConfig, SamplingConfig, TreeConfig
@@ -12,10 +13,12 @@ from .eagle import generate
 from .model import Target, forward, init_target
 from .sharding import make_mesh, parse_mesh
 from .vanilla import generate_vanilla
+# The CPU backend plugs in through ops.register (the core never imports it; see eagle2_jax.cpu).
+from . import cpu as _cpu  # noqa: E402,F401
 
 __all__ = [
     "CheckpointError", "Draft", "GenerateOutput", "ModelConfig", "SamplingConfig", "Target", "TreeConfig",
     "forward", "generate", "generate_vanilla", "init_draft", "init_target", "load_draft", "load_target",
-    "make_mesh", "parse_mesh", "save_draft",
+    "make_mesh", "ops", "parse_mesh", "save_draft",
 ]
 __version__ = "0.1.0"

@@ -21,6 +21,7 @@ import numpy as np
 from .config import TreeConfig
 from .eagle import STEP, STREAM_STEP, start
 from .programs import Program
+from .sampling import SamplingParams
 from .model import target_apply, target_logits
 from .tree import expand, rerank
 from .verify import accept_greedy
@@ -92,7 +93,7 @@ def calibrate(target, draft, st, tree: TreeConfig, rounds: int):
         r, s, active = (np.asarray(x) for x in ACCEPT_RANKS(*dyn, st, tree=tree, **mods))
         ranks.append(r[active])
         scores.append(s[active])
-        st = STEP(*dyn, st, sampling=SamplingConfig(), tree=tree, **mods)
+        st = STEP(*dyn, st, SamplingParams.of(SamplingConfig()), tree=tree, **mods)
     return Acceptance(np.concatenate(ranks), np.concatenate(scores)), st
 
 
@@ -137,7 +138,7 @@ def choose_tree(target, draft, prompts, *, depth: int = 5, top_k: int = 10, cand
     for n in cands:
         tree = TreeConfig(depth, top_k, n)
         tau = acc.measured_tau(n)
-        step = lambda s: STREAM_STEP(*dyn, s, sampling=sampling, tree=tree, **mods)  # noqa: E731
+        step = lambda s: STREAM_STEP(*dyn, s, SamplingParams.of(sampling), tree=tree, **mods)  # noqa: E731
         step(fresh_copy(st))  # compile outside the timing
         cost = best_time(step, lambda: (fresh_copy(st),))
         table.append(dict(total_tokens=n, expected_tau=tau, estimated_tau=acc.estimated_tau(n),

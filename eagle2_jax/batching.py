@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 MIN_PROMPT_BUCKET = 16
-CACHE_ALIGN = 64
+MIN_CACHE_BUCKET = 256
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -23,13 +23,20 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def cache_bucket(n: int) -> int:
+    """Cache slots for n: the next of 256, 384, 512, 768, 1024, 1536, ... (powers of two and 1.5x
+    them: at most a third of the slots unused, few distinct decode programs)."""
+    p = next_pow2(n, MIN_CACHE_BUCKET)
+    return p * 3 // 4 if p * 3 // 4 >= n and p > MIN_CACHE_BUCKET else p
+
+
 @dataclasses.dataclass(frozen=True)
 class Batch:
     prompt_BP: np.ndarray  # int32, right-padded with 0
     prompt_len_B: np.ndarray  # int32; padded rows have length 1 and are done from the start
     num_rows: int  # real rows (the rest is bucket padding)
-    max_new: int  # bucketed max_new_tokens (static)
-    cache_len: int  # static cache slots
+    max_new: int  # max_new_tokens rounded up to a power of two (no program depends on it)
+    cache_len: int  # static cache slots (the cache bucket: keys the decode program)
 
 
 def prepare_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int, *, vocab_size: int,
@@ -60,12 +67,13 @@ def prepare_batch(prompts: Sequence[Sequence[int]], max_new_tokens: int, *, voca
                          f"model's {max_positions} positions")
     P = next_pow2(longest, MIN_PROMPT_BUCKET)
     M = next_pow2(max_new_tokens, 16)
-    need = P + M + slack
+    # the prefill writes P slots; the decode needs prompt + new tokens + a round's scratch slots
+    need = max(P, longest + max_new_tokens + slack)
     if cache_len is None:
-        S = round_up(need, CACHE_ALIGN)
+        S = cache_bucket(need)
     else:
         S = cache_len
-        if longest + max_new_tokens + slack > S:
+        if need > S:
             raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} "
                              f"(+{slack} tree slots) does not fit a cache of {S}")
     B = round_up(next_pow2(len(rows)), batch_multiple)

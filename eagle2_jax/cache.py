@@ -1,10 +1,11 @@
-"""KV caches as explicit pytrees.
+"""KV caches as explicit pytrees, all layers stacked.
 
-A cache holds, per layer, keys and values [B, K, S, Dh] and a per-row committed length [B].
-Slots >= length are scratch: a forward pass writes its new tokens there (a verified tree's N
-nodes, the draft's tree nodes) and attends to them through its mask; committing only moves the
-length. For a verified tree, `compact` first moves the accepted path's entries to the slots
-right after the committed prefix (EAGLE's compaction), then advances the length.
+A cache holds keys and values [L, B, K, S, Dh] and a per-row committed length [B]. Slots >= length
+are scratch: a forward pass writes its new tokens there (a verified tree's N nodes, the draft's
+tree nodes) and attends to them through its mask; committing only moves the length. For a
+verified tree, `compact` first moves the accepted path's entries to the slots right after the
+committed prefix (EAGLE's compaction: one gather and one scatter over all layers, reading only the
+accepted rows), then advances the length.
 """
 from __future__ import annotations
 
@@ -17,22 +18,29 @@ from .layers import write_rows
 
 @struct.dataclass
 class KVCache:
-    k: tuple  # L x [B, K, S, Dh]
-    v: tuple  # L x [B, K, S, Dh]
+    k: jax.Array  # [L, B, K, S, Dh]
+    v: jax.Array  # [L, B, K, S, Dh]
     length: jax.Array  # [B] int32, committed slots per row
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.k.shape[3]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
 
 
 def init_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                dtype) -> KVCache:
-    shape = (batch, num_kv_heads, max_len, head_dim)
-    zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
-    return KVCache(k=tuple(zeros() for _ in range(num_layers)),
-                   v=tuple(zeros() for _ in range(num_layers)),
+    shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    length=jnp.zeros((batch,), jnp.int32))
+
+
+def write(cache: KVCache, k_LBKTD, v_LBKTD, start_B) -> KVCache:
+    """The new tokens' keys/values of every layer into slots start[b] .. start[b]+T-1."""
+    return cache.replace(k=write_rows(cache.k, k_LBKTD, start_B), v=write_rows(cache.v, v_LBKTD, start_B))
 
 
 def advance(cache: KVCache, n_B: jax.Array) -> KVCache:
@@ -42,10 +50,9 @@ def advance(cache: KVCache, n_B: jax.Array) -> KVCache:
 
 def compact(cache: KVCache, path_BC: jax.Array, n_B: jax.Array) -> KVCache:
     """Move scratch slots length+path[b, d] to length+d (d < C), then commit n[b] of them."""
-    src = cache.length[:, None] + path_BC  # [B, C]
+    src = (cache.length[:, None] + path_BC)[None, :, None, :, None]  # [1, B, 1, C, 1]
 
     def move(buf):
-        picked = jnp.take_along_axis(buf, src[:, None, :, None], axis=2)  # [B, K, C, Dh]
+        picked = jnp.take_along_axis(buf, src, axis=3, mode="promise_in_bounds")  # [L, B, K, C, Dh]
         return write_rows(buf, picked, cache.length)
-    return KVCache(k=tuple(map(move, cache.k)), v=tuple(map(move, cache.v)),
-                   length=cache.length + n_B.astype(jnp.int32))
+    return KVCache(k=move(cache.k), v=move(cache.v), length=cache.length + n_B.astype(jnp.int32))

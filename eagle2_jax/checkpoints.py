@@ -1,8 +1,10 @@
 """Loading targets from Hugging Face directories and GGUF files.
 
 Conversion is a declarative table: source-name regex -> our param path + a transform of the
-numpy array. Files are checked before any work: missing or corrupt files, unsupported
-architectures and missing tensors raise one-line errors.
+numpy array; per-layer tensors ("layers_{i}/...") are then stacked on a leading layer axis
+("layers/..."), the layout the model scans. Files are checked before any work: missing or corrupt
+files, unsupported architectures and missing tensors raise one-line errors. A backend may keep a
+GGUF's blocks in its own form (`register_gguf_packer`; eagle2_jax.cpu does for the CPU).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .model import Target, resolve_dtype
+from .model import Target, abstract_target_params, resolve_dtype
+from .ops import choose as choose_ops
 from .sharding import shard_params
 
 
@@ -107,20 +110,40 @@ GGUF_TABLE: Table = (
 
 
 def convert(tensors: dict[str, Callable[[], np.ndarray]], table: Table, config: ModelConfig,
-            dtype, ignore: tuple = (r"rotary_emb\.inv_freq",)) -> dict:
-    """Map source tensors (name -> loader) to our nested param dict using `table`."""
+            dtype, ignore: tuple = (r"rotary_emb\.inv_freq",), stack: bool = True) -> dict:
+    """Map source tensors (name -> loader) to our nested param dict using `table`; the target's
+    per-layer tensors end up stacked (see `stack_layers`)."""
     flat = {}
     for name, load in tensors.items():
         for pattern, template, fn in table:
             m = re.fullmatch(pattern, name)
             if m:
                 arr = np.asarray(load(), dtype=np.float32)
-                flat[template.format(*m.groups())] = jnp.asarray(fn(arr, config), dtype)
+                flat[template.format(*m.groups())] = np.asarray(fn(arr, config), dtype=jnp.dtype(dtype))
                 break
         else:
             if not any(re.search(p, name) for p in ignore):
                 raise CheckpointError(f"unexpected tensor {name!r} in checkpoint")
-    return unflatten(flat)
+    return unflatten({k: jnp.asarray(v) for k, v in (stack_layers(flat) if stack else flat).items()})
+
+
+def stack_layers(flat: dict) -> dict:
+    """{"layers_{i}/x": [...]} for i = 0..L-1 -> {"layers/x": [L, ...]}; a tensor missing in some
+    layer is left per-layer (check_params then names it)."""
+    out, groups = {}, {}
+    for k, v in flat.items():
+        m = re.fullmatch(r"layers_(\d+)/(.+)", k)
+        if m:
+            groups.setdefault(m.group(2), {})[int(m.group(1))] = v
+        else:
+            out[k] = v
+    n = max((max(g) + 1 for g in groups.values()), default=0)
+    for suffix, g in groups.items():
+        if sorted(g) == list(range(n)):
+            out[f"layers/{suffix}"] = np.stack([g[i] for i in range(n)])
+        else:
+            out.update({f"layers_{i}/{suffix}": a for i, a in g.items()})
+    return out
 
 
 def unflatten(flat: dict, into: dict | None = None) -> dict:
@@ -150,13 +173,6 @@ def check_params(params, expected, what: str):
     for k in want:
         if tuple(got[k]) != tuple(want[k]):
             raise CheckpointError(f"{what}: tensor {k} has shape {tuple(got[k])}, expected {tuple(want[k])}")
-
-
-def abstract_target_params(config: ModelConfig, dtype):
-    from .model import Llama
-    module = Llama(config, dtype)
-    return jax.eval_shape(lambda k: module.init(k, jnp.zeros((1, 2), jnp.int32), method=Llama.init_all),
-                          jax.random.PRNGKey(0))["params"]
 
 
 # ---- sources -----------------------------------------------------------------------------------
@@ -205,7 +221,8 @@ def load_hf_dir(directory: str, dtype="float32", mesh=None, tokenizer: bool = Tr
                          for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(directory)
-    return Target(config, shard_params(params, mesh), tok, dt, mesh, source=directory)
+    params = shard_params(params, mesh)
+    return Target(config, params, tok, dt, mesh, source=directory, ops=choose_ops(params, dt, mesh))
 
 
 def _open_gguf(path: str):
@@ -257,89 +274,22 @@ def gguf_config(reader, path: str) -> ModelConfig:
     )
 
 
-PACKED_SWITCH = "EAGLE2_JAX_PACKED"  # "0": load_gguf never packs
-_Q4_NAMES = {"attn_q": "attn/q", "attn_k": "attn/k", "attn_v": "attn/v", "attn_output": "attn/o",
-             "ffn_gate": "mlp/gate", "ffn_up": "mlp/up", "ffn_down": "mlp/down"}
-_Q4_PATTERN = r"blk\.(\d+)\.(" + "|".join(_Q4_NAMES) + r")\.weight"
+GGUF_PACKERS: list = []
 
 
-def gguf_packable(reader, config: ModelConfig, dtype, mesh) -> bool:
-    """Whether `load_gguf` can keep this file's weights packed (eagle2_jax.packed): float32 on one
-    CPU device with the kernels built, Q4_1 layer matrices and a tied Q8_0 embedding, sizes the
-    kernels' blocks divide, and EAGLE2_JAX_PACKED not "0"."""
-    from . import cpu_kernels, packed
-    if (os.environ.get(PACKED_SWITCH, "1") == "0" or dtype != jnp.float32 or mesh is not None
-            or jax.default_backend() != "cpu" or not config.tie_word_embeddings):
-        return False
-    types = {t.name: t.tensor_type.name for t in reader.tensors}
-    mats = [n for n in types if re.fullmatch(_Q4_PATTERN, n)]
-    if (types.get("token_embd.weight") != "Q8_0" or "output.weight" in types
-            or len(mats) != len(_Q4_NAMES) * config.num_hidden_layers or any(types[n] != "Q4_1" for n in mats)):
-        return False
-    lanes = cpu_kernels.lanes()
-    c = config
-    outs = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size,
-            c.intermediate_size)
-    ins = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
-    return bool(lanes) and all(n % (2 * lanes) == 0 for n in outs) and all(k % packed.BLOCK == 0 for k in ins)
-
-
-def _gguf_packed_params(reader, config: ModelConfig, path: str, rest_loader) -> dict:
-    """Param tree with the layer matrices and the embedding as packed leaves (eagle2_jax.packed)."""
-    from . import cpu_kernels, packed
-    lanes = cpu_kernels.lanes()
-    flat, rest = {}, {}
-    for t in reader.tensors:
-        m = re.fullmatch(_Q4_PATTERN, t.name)
-        try:
-            if t.name == "token_embd.weight":
-                q, d = packed.q8_0_blocks(t.data, config.vocab_size, config.hidden_size)
-                w = q.astype(np.float32) * np.repeat(d, packed.BLOCK, axis=1)  # numpy's dequantisation
-                flat["embed"] = {"q8": jnp.asarray(q), "d": jnp.asarray(d), "w": jnp.asarray(w)}
-            elif m:
-                cols, rows = (int(x) for x in t.shape)  # GGUF lists the contiguous dimension first
-                q, d, mn = packed.q4_1_blocks(t.data, rows, cols)
-                heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(m.group(2))
-                if heads:  # undo llama.cpp's RoPE row order, as _gguf_q / _gguf_k do
-                    q, d, mn = (_unpermute(a, heads) for a in (q, d, mn))
-                leaf = packed.pack_q4(q.T, d.T, mn.T, lanes)
-                # numpy's dequantisation (product, then sum), for calls over many rows
-                leaf["w"] = (np.repeat(d.T, packed.BLOCK, axis=0) * q.T.astype(np.float32)
-                             + np.repeat(mn.T, packed.BLOCK, axis=0))
-                flat[f"layers_{m.group(1)}/{_Q4_NAMES[m.group(2)]}/kernel"] = {
-                    k: jnp.asarray(v) for k, v in leaf.items()}
-            else:
-                rest[t.name] = rest_loader(t)
-        except ValueError as e:
-            raise CheckpointError(f"corrupt tensor {t.name} in {path}: {e}") from None
-    return unflatten(flat, into=convert(rest, GGUF_TABLE, config, jnp.float32, ignore=(r"rope_freqs",)))
-
-
-def _check_packed(params, expected, what: str):
-    """check_params for a tree with packed leaves: each stands for as many weights as expected."""
-    from . import packed
-    from .sharding import _path_str
-    got = dict(jax.tree_util.tree_leaves_with_path(params, is_leaf=packed.is_packed))
-    want = {_path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(expected)}
-    shaped = {}
-    for p, x in got.items():
-        k = _path_str(p)
-        if packed.is_packed(x) and k in want:
-            if packed.logical_size(x) != want[k].size:
-                raise CheckpointError(f"{what}: tensor {k} holds {packed.logical_size(x)} weights, "
-                                      f"expected shape {tuple(want[k].shape)}")
-            x = want[k]
-        shaped[k] = x
-    check_params(unflatten(shaped), expected, what)
+def register_gguf_packer(packer) -> None:
+    """Add a backend's GGUF loader: packer(reader, config, dtype, mesh, path, rest_loader) returns a
+    param tree that keeps the file's blocks in the backend's form, or None where it cannot."""
+    if packer not in GGUF_PACKERS:
+        GGUF_PACKERS.append(packer)
 
 
 def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True, packed: bool | None = None) -> Target:
-    """A target from a GGUF file. packed=None packs where `gguf_packable` allows (float32 on one CPU
-    device): the Q4_1/Q8_0 blocks stay as they are in memory and the CPU kernels read them, giving
-    bit-for-bit the float32 model's results from a sixth of the memory traffic. packed=False always
-    dequantises to `dtype`; packed=True raises if the file or setting cannot be packed. A packed
-    target also keeps the float32 matrices for calls over more rows than the kernels take (prompts,
-    large batches), so it holds ~1.2x the float32 model's memory."""
+    """A target from a GGUF file. packed=None lets a registered backend keep the file's blocks
+    (eagle2_jax.cpu: Q4_1 / Q8_0 on one CPU device, read by its kernels, bit-for-bit the float32
+    model's results from a sixth of the memory traffic, plus a float32 copy for calls over many
+    rows: ~1.2x the float32 model's memory). packed=False always dequantises to `dtype`;
+    packed=True raises if no backend can keep this file and setting packed."""
     import gguf
     reader = _gguf_reader(path)
     config = gguf_config(reader, path)
@@ -358,14 +308,14 @@ def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True, pac
                 raise CheckpointError(f"corrupt tensor {t.name} in {path}: {e}") from None
         return load
 
-    can_pack = packed is not False and gguf_packable(reader, config, dt, mesh)
-    if packed and not can_pack:
+    params = None
+    if packed is not False:
+        params = next((p for p in (packer(reader, config, dt, mesh, path, loader) for packer in GGUF_PACKERS)
+                       if p is not None), None)
+    if packed and params is None:
         raise CheckpointError(f"cannot keep {path} packed: that needs float32 on one CPU device with the "
                               "CPU kernels, Q4_1 layer matrices and a tied Q8_0 embedding")
-    if can_pack:
-        params = _gguf_packed_params(reader, config, path, loader)
-        _check_packed(params, abstract_target_params(config, dt), f"GGUF {path}")
-    else:
+    if params is None:
         params = convert({t.name: loader(t) for t in reader.tensors}, GGUF_TABLE, config, dt,
                          ignore=(r"rope_freqs",))
         check_params(params, abstract_target_params(config, dt), f"GGUF {path}")
@@ -374,7 +324,7 @@ def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True, pac
     if tokenizer:
         from .file_cache import gguf_tokenizer
         tok = gguf_tokenizer(path)
-    return Target(config, params, tok, dt, mesh, source=path)
+    return Target(config, params, tok, dt, mesh, source=path, ops=choose_ops(params, dt, mesh))
 
 
 # ---- named models --------------------------------------------------------------------------------
@@ -451,17 +401,26 @@ def resolve_source(source: str) -> str:
 
 
 def load_target(source: str, dtype="float32", mesh=None, tokenizer: bool = True,
-                packed: bool | None = None) -> Target:
+                packed: bool | None = None, abstract: bool = False) -> Target:
     """Load a target from a named model, a Hugging Face directory or a .gguf file (`packed`: see
     load_gguf; Hugging Face directories are never packed), or random weights of a published shape
-    (`random:llama-3.1-8b`, see RANDOM_SHAPES; no tokenizer), for timing."""
+    (`random:llama-3.1-8b`, see RANDOM_SHAPES; no tokenizer), for timing.
+
+    With `abstract` (random shapes and config.json files only), params are jax.ShapeDtypeStruct
+    leaves: nothing is allocated, and `generate(..., compile_only=True)` compiles for it."""
     resolve_dtype(dtype)
+    if abstract and not str(source).startswith(RANDOM_PREFIX):
+        if str(source).endswith(".json") and os.path.exists(str(source)):
+            source = RANDOM_PREFIX + str(source)
+        else:
+            raise CheckpointError(f"abstract=True takes random:<shape> or a config.json, got {source!r}")
     if str(source).startswith(RANDOM_PREFIX):
         from .model import init_target
         config = random_config(str(source))
         if packed:
             raise CheckpointError(f"cannot keep {source!r} packed: only GGUF files are")
-        return dataclasses.replace(init_target(config, dtype=dtype, mesh=mesh), source=str(source))
+        return dataclasses.replace(init_target(config, dtype=dtype, mesh=mesh, abstract=abstract),
+                                   source=str(source))
     path = resolve_source(str(source))
     if os.path.isdir(path):
         return load_hf_dir(path, dtype, mesh, tokenizer)
@@ -480,15 +439,14 @@ def save_hf_dir(target: Target, directory: str) -> str:
     """Write `target` as a Hugging Face Llama directory (config.json + model.safetensors, float32)."""
     from safetensors.numpy import save_file
     c = target.config
-    from .packed import any_packed
-    if any_packed(target.params):
+    if isinstance(target.params.get("embed"), dict):
         raise CheckpointError("this target was loaded packed: load it with packed=False to save it")
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), target.params)
     sd = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["norm"]["scale"]}
     if not c.tie_word_embeddings:
         sd["lm_head.weight"] = p["lm_head"].T
     for i in range(c.num_hidden_layers):
-        L, pre = p[f"layers_{i}"], f"model.layers.{i}."
+        L, pre = jax.tree_util.tree_map(lambda a: a[i], p["layers"]), f"model.layers.{i}."
         sd[pre + "input_layernorm.weight"] = L["input_norm"]["scale"]
         sd[pre + "post_attention_layernorm.weight"] = L["post_norm"]["scale"]
         for n in ("q", "k", "v"):

@@ -3,6 +3,10 @@
 Input at position j: fc(concat(embed(t_{j+1}), f_j)) with f_j the target's feature (final-norm
 hidden state); then one Llama decoder layer without its input norm; no final norm. The target's
 embedding and LM head are shared, never copied into the draft's params.
+
+Params: fc/kernel [2D, D] (+ fc/bias [D]); layers_0/... one decoder layer (eagle2_jax.layers) without
+input_norm; optionally vocab_head {ids [V'], w [D, V']} (see `with_draft_vocab`). The draft cache is
+a stacked cache with L = 1.
 """
 from __future__ import annotations
 
@@ -13,34 +17,36 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import cpu_kernels as few_rows
-from .cache import KVCache, init_cache
+from .cache import KVCache, init_cache, write
 from .config import ModelConfig
-from .layers import DecoderLayer, dense_dot_general, split_masks
-from .model import Target, resolve_dtype
+from .layers import causal_mask, decoder_layer, dense, init_dense, init_layer, split_masks
+from .model import Target, module_param, resolve_dtype
+from .ops import XLA, Ops
 
 
 class EagleDraft(nn.Module):
     config: ModelConfig  # the draft's own config (num_hidden_layers == 1)
     bias: bool = True
     dtype: Any = jnp.float32
-    few_row_kernels: bool = False  # see eagle2_jax.cpu_kernels
+    ops: Ops = XLA
 
-    @nn.compact
+    def setup(self):
+        c, dt = self.config, self.dtype
+        D = c.hidden_size
+        self.fc = module_param(self, "fc", lambda key: init_dense(key, (2 * D,), (D,), self.bias, dt))
+        self.layer = module_param(self, "layers_0", lambda key: init_layer(key, c, dt, input_norm=False))
+
     def __call__(self, embeds_BTD, features_BTD, positions_BT, cache: KVCache, local_mask_BTU,
                  offset: int = 0):
         """Returns (hidden [B,T,D] predicting the next feature, cache with the new keys/values
         written at length+offset; masks as in `Llama.__call__`)."""
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
-        x = nn.Dense(self.config.hidden_size, use_bias=self.bias, dtype=self.dtype,
-                     param_dtype=self.dtype, name="fc",
-                     dot_general=dense_dot_general(self.few_row_kernels))(x)
+        x = dense(self.ops, self.fc, x)
         masks = split_masks(cache.length, local_mask_BTU, offset, cache.max_len)
-        h, (k, v) = DecoderLayer(self.config, self.dtype, input_norm=False,
-                                   few_row_kernels=self.few_row_kernels, name="layers_0")(
-            x, positions_BT, cache.k[0], cache.v[0], cache.length + offset, masks)
-        return h, cache.replace(k=(k,), v=(v,))
+        h, (k, v) = decoder_layer(self.ops, self.config, self.layer, x, positions_BT, cache.k[0], cache.v[0], masks)
+        return h, write(cache, k[None], v[None], cache.length + offset)
 
 
 @dataclasses.dataclass
@@ -50,10 +56,11 @@ class Draft:
     bias: bool = True
     dtype: Any = jnp.float32
     source: str = "random"
+    ops: Ops = XLA  # the target's (set by the loaders)
 
     @property
     def module(self) -> EagleDraft:
-        return EagleDraft(self.config, self.bias, self.dtype, few_rows.use_for(self.params))
+        return EagleDraft(self.config, self.bias, self.dtype, self.ops)
 
 
 def draft_config_for(target_config: ModelConfig, **overrides) -> ModelConfig:
@@ -79,7 +86,6 @@ def abstract_draft_params(config: ModelConfig, bias: bool, dtype):
 
 def _dummy_inputs(config, dtype):
     B, T, D = 1, 2, config.hidden_size
-    from .layers import causal_mask
     z = jnp.zeros((B, T, D), dtype)
     cache = init_cache(1, B, T, config.num_key_value_heads, config.head_dim, dtype)
     return z, z, jnp.zeros((B, T), jnp.int32), cache, causal_mask(B, T)
@@ -92,14 +98,20 @@ def _init_params(module: EagleDraft, key):
 
 
 def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, **config_overrides) -> Draft:
-    """A randomly initialised draft head fitting `target` (for tests and training from scratch)."""
+    """A randomly initialised draft head fitting `target` (for tests and training from scratch); for
+    an abstract target (shapes only), an abstract head."""
+    from .sharding import param_shardings, shard_params
     dt = resolve_dtype(dtype) if dtype is not None else target.dtype
     config = draft_config_for(target.config, **config_overrides)
     check_compatible(config, target.config)
-    module = EagleDraft(config, bias, dt)
-    params = _init_params(module, jax.random.PRNGKey(seed))
-    from .sharding import shard_params
-    return Draft(config, shard_params(params, target.mesh), bias, dt)
+    if target.abstract:
+        params = abstract_draft_params(config, bias, dt)
+        if target.mesh is not None:
+            params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                            params, param_shardings(params, target.mesh))
+        return Draft(config, params, bias, dt, ops=target.ops)
+    params = _init_params(EagleDraft(config, bias, dt), jax.random.PRNGKey(seed))
+    return Draft(config, shard_params(params, target.mesh), bias, dt, ops=target.ops)
 
 
 def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, local_mask, offset: int = 0):
@@ -110,28 +122,19 @@ def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, 
 def with_draft_vocab(draft: Draft, target: Target, token_ids) -> Draft:
     """Let the draft rank only `token_ids` (e.g. the most frequent tokens of its training data).
 
-    Adds params["vocab_head"] = {ids [V'], w [D, V']} taken from the target's LM head ({ids, q8
-    [V', D], d [V', D/32], w [V', D]}, a packed Q8_0 leaf of the same weights, when the target was
-    loaded packed).
+    Adds params["vocab_head"] = {ids [V'], w [D, V']} cut from the target's LM head by the target's
+    ops (a backend may keep it in its own form). For an abstract target, an abstract leaf.
     """
-    import numpy as np
     ids = np.unique(np.asarray(token_ids, np.int64))
     if ids.size == 0 or ids.min() < 0 or ids.max() >= target.config.vocab_size:
         raise ValueError(f"draft vocabulary must be non-empty ids in [0, {target.config.vocab_size})")
-    p = target.params
-    from .packed import is_packed
-    ids_j = jnp.asarray(ids, jnp.int32)
-    if target.config.tie_word_embeddings and is_packed(p["embed"]) and jnp.dtype(draft.dtype) == jnp.float32:
-        # the same float32 weights, kept in the embedding's Q8_0 blocks (eagle2_jax.packed)
-        vh = {"vocab_head": {k: jnp.take(p["embed"][k], ids_j, axis=0) for k in ("q8", "d", "w")
-                             if k in p["embed"]}}  # "w" [V', D]: past the kernel's rows (packed.matmul_nt)
-        vh["vocab_head"]["ids"] = ids_j
-        net = {k: v for k, v in draft.params.items() if k != "vocab_head"}
-        return dataclasses.replace(draft, params={**net, **vh})
-    from .packed import dequantize
-    head = dequantize(p["embed"]).T if target.config.tie_word_embeddings else p["lm_head"]  # [D, V]
-    w = jnp.take(head, ids_j, axis=1).astype(draft.dtype)
     from .sharding import shard_params
-    vh = shard_params({"vocab_head": {"ids": ids_j, "w": w}}, target.mesh)
+    ids_j = jnp.asarray(ids, jnp.int32)
+    tied = target.config.tie_word_embeddings
+    if target.abstract:
+        vh = jax.eval_shape(lambda p: XLA.vocab_head(p, tied, ids_j, draft.dtype), target.params)
+    else:
+        vh = shard_params({"vocab_head": target.ops.vocab_head(target.params, tied, ids_j, draft.dtype)},
+                          target.mesh)["vocab_head"]
     net = {k: v for k, v in draft.params.items() if k != "vocab_head"}
-    return dataclasses.replace(draft, params={**net, **vh})
+    return dataclasses.replace(draft, params={**net, "vocab_head": vh})

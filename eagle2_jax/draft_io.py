@@ -83,9 +83,9 @@ def _load_eagle(directory: str, target: Target, dtype) -> Draft:
     emb = tensors.pop("embed_tokens.weight", None)
     if emb is not None and tuple(emb().shape) != (target.config.vocab_size, target.config.hidden_size):
         raise CheckpointError(f"draft {directory}: embed_tokens shape does not match the target")
-    params = convert(tensors, EAGLE_TABLE, config, dtype)
+    params = convert(tensors, EAGLE_TABLE, config, dtype, stack=False)
     check_params(params, abstract_draft_params(config, bias, dtype), f"draft {directory}")
-    return Draft(config, shard_params(params, target.mesh), bias, dtype, source=directory)
+    return Draft(config, shard_params(params, target.mesh), bias, dtype, source=directory, ops=target.ops)
 
 
 def _load_ours(directory: str, target: Target, dtype) -> Draft:
@@ -102,7 +102,7 @@ def _load_ours(directory: str, target: Target, dtype) -> Draft:
         raise CheckpointError(f"corrupt draft checkpoint {directory}: {type(e).__name__}: {e}") from None
     params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
     check_params(params, abstract, f"draft {directory}")
-    return Draft(config, shard_params(params, target.mesh), bias, dtype, source=directory)
+    return Draft(config, shard_params(params, target.mesh), bias, dtype, source=directory, ops=target.ops)
 
 
 def load_draft(source: str, target: Target, dtype: Optional[str] = None, draft_vocab: bool = True) -> Draft:

@@ -1,8 +1,13 @@
-"""EAGLE-2 generation: prefill, then a `lax.while_loop` of fixed-shape rounds on device.
+"""EAGLE-2 generation: a prefill program, then a decode program, a `lax.while_loop` of
+fixed-shape rounds on device.
 
 One round: expand -> rerank -> verify (one target forward over the N tree tokens) -> accept ->
 compact (commit the accepted path's target KV) -> catch-up (the draft consumes the accepted
 tokens with their target features; draft KV of tree nodes is never committed).
+
+Compile keys: PREFILL per (batch bucket, prompt bucket, cache bucket); LOOP per (batch bucket,
+cache bucket, tree, greedy or sampling). Prompt length and max_new_tokens are arrays in the
+state, and temperature / top-k / top-p traced values (sampling.SamplingParams).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from .draft import Draft, EagleDraft, check_compatible, draft_apply
 from .layers import causal_mask
 from .model import Llama, Target, target_apply, target_embed, target_logits
 from .outputs import emit
-from .sampling import row_keys, sample_token, step_keys
+from .sampling import SamplingParams, row_keys, sample_rows, step_keys
 from .sharding import batch_multiple, constrain_cache
 from .tree import expand, rerank
 from .programs import Program, run
@@ -63,7 +68,7 @@ def init_state(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, prompt_BP,
     B, P = prompt_BP.shape
     feats, tcache, logits_BV = prefill(tmodule, tparams, prompt_BP, prompt_len_B, cache_len, mesh)
     keys = row_keys(jax.random.PRNGKey(seed), B)
-    root = jax.vmap(lambda k, l: sample_token(k, l, sampling))(step_keys(keys, 0), logits_BV)
+    root = sample_rows(step_keys(keys, 0), logits_BV, sampling)
     # draft pairs (f_j, t_{j+1}) for j < len: prompt shifted left, the root in the last slot
     j = jnp.arange(P)[None]
     shifted = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), prompt_BP.dtype)], axis=1)
@@ -81,7 +86,7 @@ def init_state(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, prompt_BP,
 
 
 def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState,
-                sampling: SamplingConfig, tree: TreeConfig) -> EagleState:
+                sampling: SamplingParams, tree: TreeConfig) -> EagleState:
     B = st.root_B.shape[0]
     C = tree.max_accept
     active = ~st.done_B
@@ -123,42 +128,40 @@ def scratch_slots(tree: TreeConfig) -> int:
     return max(tree.total_tokens, tree.top_k * tree.passes, tree.max_accept) + 1
 
 
-def _loop(tparams, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, tmodule, dmodule,
-          cache_len, out_len, sampling, tree, mesh):
-    st = init_state(tmodule, tparams, dmodule, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos,
-                    seed, cache_len=cache_len, out_len=out_len, sampling=sampling, tree=tree, mesh=mesh)
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done_B),
-                              lambda s: eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), st)
-
-
-def _init(tparams, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, tmodule, dmodule,
-          cache_len, out_len, sampling, tree, mesh):
+def _prefill(tparams, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, sampling, *, tmodule,
+             dmodule, cache_len, out_len, tree, mesh):
     return init_state(tmodule, tparams, dmodule, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos,
                       seed, cache_len=cache_len, out_len=out_len, sampling=sampling, tree=tree, mesh=mesh)
 
 
-def _step(tparams, dparams, st, *, tmodule, dmodule, sampling, tree):
+def _loop(tparams, dparams, st, sampling, *, tmodule, dmodule, tree):
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done_B),
+                              lambda s: eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), st)
+
+
+def _step(tparams, dparams, st, sampling, *, tmodule, dmodule, tree):
     return eagle_round(tmodule, tparams, dmodule, dparams, st, sampling, tree)
 
 
-_STATIC = ("tmodule", "dmodule", "cache_len", "out_len", "sampling", "tree", "mesh")
-LOOP, INIT, STEP = Program(_loop, _STATIC), Program(_init, _STATIC), Program(_step, ("tmodule", "dmodule", "sampling", "tree"))
+PREFILL = Program(_prefill, ("tmodule", "dmodule", "cache_len", "out_len", "tree", "mesh"))
+LOOP = Program(_loop, ("tmodule", "dmodule", "tree"), donate=("st",))
+STEP = Program(_step, ("tmodule", "dmodule", "tree"))
 # The streaming driver's step: it replaces the state every round, so the caches are updated in place
 # (STEP, which leaves its input intact for calibration walks that reuse it, copies every cache buffer;
 # timing tools run this one on fresh copies of the state).
-STREAM_STEP = Program(_step, ("tmodule", "dmodule", "sampling", "tree"), donate=("st",))
+STREAM_STEP = Program(_step, ("tmodule", "dmodule", "tree"), donate=("st",))
 
 
 def _program_inputs(target: Target, draft: Draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree):
-    """The padded batch, the dynamic arguments and the static settings of LOOP / INIT."""
+    """The padded batch, the dynamic arguments and the static settings of PREFILL (LOOP takes its state)."""
     b = prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
                       max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree),
                       batch_multiple=batch_multiple(target.mesh))
     prompt, plen, active = _device_inputs(target, b)
     args = (target.params, draft.params, prompt, plen, active, jnp.int32(max_new_tokens),
-            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
+            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed), SamplingParams.of(sampling))
     static = dict(tmodule=target.module, dmodule=draft.module, cache_len=b.cache_len,
-                  out_len=b.max_new + tree.max_accept, sampling=sampling, tree=tree, mesh=target.mesh)
+                  out_len=b.cache_len, tree=tree, mesh=target.mesh)  # cache_len >= max_new + max_accept
     return b, args, static
 
 
@@ -167,7 +170,12 @@ def start(target: Target, draft: Draft, prompts, *, max_new_tokens: int, tree: T
     """(state after prefill and the first token, padded batch): for tools that step rounds themselves
     (STEP / STREAM_STEP with `tree` or any smaller tree of the same depth and top_k)."""
     b, args, static = _program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
-    return INIT(*args, **static), b
+    return PREFILL(*args, **static), b
+
+
+def _is_abstract(params) -> bool:
+    leaves = jax.tree_util.tree_leaves(params)
+    return bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
 
 
 def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -178,8 +186,9 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
 
     Returns `.tokens` (new tokens per prompt, EOS kept) and `.accept_lengths` (tokens added per
     round, bonus included; tau is their mean). With `stream`, rounds are stepped from the host.
-    With `timings` (a dict), records compile_s and run_s. With `compile_only`, compiles the program
-    these prompts and settings need (cached for later calls), runs nothing and returns None.
+    With `timings` (a dict), records compile_s and run_s. With `compile_only`, compiles the prefill
+    and decode programs these prompts and settings need (cached for later calls), runs nothing and
+    returns None; it also works for abstract params (load_target(..., abstract=True)).
     """
     if not isinstance(tree, TreeConfig):
         raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
@@ -187,9 +196,11 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     sampling = SamplingConfig(temperature, top_k, top_p)
     if tree.top_k > target.config.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({target.config.vocab_size})")
+    if (target.abstract or _is_abstract(draft.params)) and not compile_only:
+        raise ValueError("this target or draft has abstract params (shapes only): use compile_only=True")
     b, args, static = _program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
-    st = run(LOOP, INIT, STREAM_STEP, args, static, (target.params, draft.params),
-             dict(tmodule=target.module, dmodule=draft.module, sampling=sampling, tree=tree), b.num_rows,
+    st = run(PREFILL, LOOP, STREAM_STEP, args, static, (target.params, draft.params),
+             dict(tmodule=target.module, dmodule=draft.module, tree=tree), b.num_rows,
              stream, timings, compile_only)
     if compile_only:
         return None

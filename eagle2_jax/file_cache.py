@@ -26,6 +26,18 @@ SWITCH = "EAGLE2_JAX_FILE_CACHE"
 INDEX_VERSION = 1
 
 
+def cpu_signature() -> str:
+    """The processor's architecture and feature flags: code compiled for this CPU (-march=native
+    kernels, XLA:CPU programs) must not be reused on a CPU with other features."""
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
 def root() -> Path:
     r = os.environ.get("EAGLE2_JAX_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle2_jax")

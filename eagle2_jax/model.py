@@ -1,10 +1,12 @@
 """The target: a Llama-family decoder as a Flax module over an explicit param pytree.
 
-Param tree (per-layer params unstacked so no layer slice is ever copied on the hot path):
-  embed [V, D]; layers_i/{input_norm,post_norm}/scale [D];
-  layers_i/attn/{q,k,v}/kernel [D, H|K, Dh] (+ bias [H|K, Dh]); layers_i/attn/o/kernel [H, Dh, D];
-  layers_i/mlp/{gate,up}/kernel [D, F]; layers_i/mlp/down/kernel [F, D]; norm/scale [D];
+Param tree (per-layer params stacked on a leading layer axis L, run with `lax.scan`, so compile
+time and program size do not grow with depth):
+  embed [V, D]; layers/{input_norm,post_norm}/scale [L, D];
+  layers/attn/{q,k,v}/kernel [L, D, H|K, Dh] (+ bias [L, H|K, Dh]); layers/attn/o/kernel [L, H, Dh, D];
+  layers/mlp/{gate,up}/kernel [L, D, F]; layers/mlp/down/kernel [L, F, D]; norm/scale [D];
   lm_head [D, V] when embeddings are untied.
+Every product goes through the module's `ops` (eagle2_jax.ops), chosen when the target is loaded.
 """
 from __future__ import annotations
 
@@ -16,11 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from . import cpu_kernels as few_rows
-from . import packed as packing
-from .cache import KVCache, init_cache
+from .cache import KVCache, init_cache, write
 from .config import ModelConfig
-from .layers import DecoderLayer, RMSNorm, causal_mask, split_masks
+from .layers import causal_mask, decoder_layer, init_layers, rms_norm, split_masks
+from .ops import XLA, Ops
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -33,45 +34,35 @@ def resolve_dtype(dtype) -> Any:
     return dtype
 
 
+def module_param(module: nn.Module, name: str, init, *args):
+    """`module.param(name, init, *args)` while initialising; otherwise the loaded value as it is
+    (a backend may keep a leaf in its own form, e.g. GGUF blocks, which Flax's shape check would refuse)."""
+    if module.is_initializing():
+        return module.param(name, init, *args)
+    return module.get_variable("params", name)
+
+
 class Llama(nn.Module):
     config: ModelConfig
     dtype: Any = jnp.float32
-    few_row_kernels: bool = False  # few-row matmul kernels for XLA:CPU (eagle2_jax.cpu_kernels)
-    packed: bool = False  # params loaded packed (eagle2_jax.packed): GGUF blocks read by the kernels
+    ops: Ops = XLA
 
     def setup(self):
-        c = self.config
-        init = nn.initializers.normal(0.02)
-        if self.packed:  # loaded, never initialised; a dict leaf (no shape check)
-            self.embed = self.variable("params", "embed").value
-        else:
-            self.embed = self.param("embed", init, (c.vocab_size, c.hidden_size), self.dtype)
-        self.layers = [DecoderLayer(c, self.dtype, few_row_kernels=self.few_row_kernels,
-                                    packed=self.packed, name=f"layers_{i}")
-                       for i in range(c.num_hidden_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        c, dt = self.config, self.dtype
+        normal = nn.initializers.normal(0.02)
+        self.embed = module_param(self, "embed", normal, (c.vocab_size, c.hidden_size), dt)
+        self.layers = module_param(self, "layers", lambda key: init_layers(key, c, dt))
+        self.norm = module_param(self, "norm", lambda key: {"scale": jnp.ones((c.hidden_size,), dt)})
         if not c.tie_word_embeddings:
-            self.lm_head = self.param("lm_head", init, (c.hidden_size, c.vocab_size), self.dtype)
+            self.lm_head = module_param(self, "lm_head", normal, (c.hidden_size, c.vocab_size), dt)
 
     def embed_tokens(self, tokens_BT):
-        return packing.embed_rows(self.embed, tokens_BT)
+        return self.ops.embed(self.embed, tokens_BT)
 
     def logits(self, features_BTD):
         """LM head, accumulated and returned in float32."""
-        if self.packed:  # tied (load_gguf packs only tied embeddings)
-            lead = features_BTD.shape[:-1]
-            y = packing.matmul_nt(features_BTD.reshape(-1, features_BTD.shape[-1]), self.embed)
-            return y.reshape(lead + (y.shape[-1],))
-        if self.few_row_kernels:
-            last = features_BTD.ndim - 1
-            w, dims = (self.embed, (1,)) if self.config.tie_word_embeddings else (self.lm_head, (0,))
-            return few_rows.dot_general(features_BTD, w, (((last,), dims), ((), ())),
-                                        preferred_element_type=jnp.float32)
-        if self.config.tie_word_embeddings:
-            return jnp.einsum("...d,vd->...v", features_BTD, self.embed,
-                              preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", features_BTD, self.lm_head,
-                          preferred_element_type=jnp.float32)
+        tied = self.config.tie_word_embeddings
+        return self.ops.lm_head(features_BTD, self.embed if tied else self.lm_head, tied)
 
     def __call__(self, tokens_BT, positions_BT, cache: KVCache, local_mask_BTU, offset: int = 0):
         """Forward over T new tokens written at cache slots length+offset .. +T-1.
@@ -80,15 +71,17 @@ class Llama(nn.Module):
         slots are always visible. Returns (features [B,T,D] after the final norm, cache with the
         new keys/values written; its length is unchanged).
         """
-        x = self.embed_tokens(tokens_BT)
+        c, ops = self.config, self.ops
         masks = split_masks(cache.length, local_mask_BTU, offset, cache.max_len)
-        write_at = cache.length + offset
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, positions_BT, cache.k[i], cache.v[i], write_at, masks)
-            ks.append(k)
-            vs.append(v)
-        return self.norm(x), cache.replace(k=tuple(ks), v=tuple(vs))
+
+        def layer(x_BTD, xs):
+            p, k_BKSD, v_BKSD = xs
+            return decoder_layer(ops, c, p, x_BTD, positions_BT, k_BKSD, v_BKSD, masks)
+
+        x, (k_LBKTD, v_LBKTD) = ops.scan_layers(layer, self.embed_tokens(tokens_BT),
+                                                (self.layers, cache.k, cache.v))
+        cache = write(cache, k_LBKTD, v_LBKTD, cache.length + offset)
+        return rms_norm(ops, self.norm, x, c.rms_norm_eps), cache
 
     def init_all(self, tokens_BT):
         B, T = tokens_BT.shape
@@ -101,7 +94,8 @@ class Llama(nn.Module):
 
 @dataclasses.dataclass
 class Target:
-    """A target model: config, param pytree, tokenizer (None for random models), optional mesh."""
+    """A target model: config, param pytree, tokenizer (None for random models), optional mesh, and
+    the ops its programs compute with (eagle2_jax.ops; chosen at load)."""
 
     config: ModelConfig
     params: Any
@@ -109,14 +103,30 @@ class Target:
     dtype: Any = jnp.float32
     mesh: Any = None
     source: str = "random"
+    ops: Ops = XLA
 
     @property
     def module(self) -> Llama:
-        return Llama(self.config, self.dtype, few_rows.use_for(self.params), packing.any_packed(self.params))
+        return Llama(self.config, self.dtype, self.ops)
+
+    @property
+    def abstract(self) -> bool:
+        """Params are shapes only (jax.ShapeDtypeStruct): for compiling, not running."""
+        leaves = jax.tree_util.tree_leaves(self.params)
+        return bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
 
     @property
     def num_params(self) -> int:
-        return packing.logical_size(self.params)
+        total = 0
+        for x in jax.tree_util.tree_leaves(self.params, is_leaf=lambda x: isinstance(x, dict) and "w" in x):
+            total += x["w"].size if isinstance(x, dict) else x.size  # a backend's block leaf keeps "w"
+        return total
+
+
+def abstract_target_params(config: ModelConfig, dtype):
+    module = Llama(config, dtype)
+    return jax.eval_shape(lambda k: module.init(k, jnp.zeros((1, 2), jnp.int32), method=Llama.init_all),
+                          jax.random.PRNGKey(0))["params"]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -125,14 +135,20 @@ def _init_params(module: Llama, key):
     return module.init(key, jnp.zeros((1, 2), jnp.int32), method=Llama.init_all)["params"]
 
 
-def init_target(config: ModelConfig, seed: int = 0, dtype="float32", mesh=None) -> Target:
-    """A randomly initialised target (for tests and timing)."""
-    from .sharding import shard_params
+def init_target(config: ModelConfig, seed: int = 0, dtype="float32", mesh=None, abstract: bool = False) -> Target:
+    """A randomly initialised target (for tests and timing). With `abstract`, params are
+    jax.ShapeDtypeStruct leaves (sharded like real ones): nothing is allocated, for compiling only."""
+    from .ops import choose
+    from .sharding import param_shardings, shard_params
     dt = resolve_dtype(dtype)
-    module = Llama(config, dt)
-    params = _init_params(module, jax.random.PRNGKey(seed))
-    params = shard_params(params, mesh)
-    return Target(config, params, None, dt, mesh)
+    if abstract:
+        params = abstract_target_params(config, dt)
+        if mesh is not None:
+            params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                            params, param_shardings(params, mesh))
+        return Target(config, params, None, dt, mesh)
+    params = shard_params(_init_params(Llama(config, dt), jax.random.PRNGKey(seed)), mesh)
+    return Target(config, params, None, dt, mesh, ops=choose(params, dt, mesh))
 
 
 def target_apply(module: Llama, params, tokens_BT, positions_BT, cache, local_mask_BTU, offset: int = 0):
@@ -153,8 +169,6 @@ def forward(target: Target, input_ids) -> jax.Array:
     if ids.ndim == 1:
         ids = ids[None]
     return _forward_jit(target.module, target.params, ids)
-
-
 
 
 def _forward(module, params, ids):

@@ -24,6 +24,8 @@ def _leaf_key(x):
     """Shape, dtype and placement of one input (arrays first: this runs per leaf per host call)."""
     if isinstance(x, jax.Array):
         return x.shape, x.dtype, x.sharding
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x.shape, x.dtype, x.sharding
     return np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None)
 
 
@@ -76,7 +78,7 @@ def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
     if jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir
     if path is None:
-        from .cpu_kernels import _cpu_signature
+        from .file_cache import cpu_signature as _cpu_signature
         from .file_cache import root
         backend = jax.default_backend()
         tag = backend + ("-" + hashlib.sha256(_cpu_signature().encode()).hexdigest()[:12] if backend == "cpu" else "")
@@ -86,40 +88,43 @@ def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
     return path
 
 
-def run(loop: Program, init: Program, step: Program, args: tuple, static: dict, step_args: tuple,
+def run(prefill: Program, loop: Program, step: Program, args: tuple, static: dict, step_args: tuple,
         step_static: dict, rows: int, stream=None, timings: Optional[dict] = None, compile_only: bool = False):
-    """Run a whole generation on device (`loop`), or step it from the host when streaming.
+    """Prefill (`prefill(*args)`: the state after the prompt), then the whole decode on device
+    (`loop(*step_args, state, sampling)`), or stepped from the host when streaming (`step`).
 
-    `stream(row, tokens)` receives each row's new tokens as they are produced. Returns the final
-    state's outputs as produced by `loop` (or the final state when streaming). With compile_only,
-    compiles the loop for these inputs (cached for the next call) and returns None.
+    The sampling values are args[-1]. `stream(row, tokens)` receives each row's new tokens as they
+    are produced. Returns the final state. With compile_only, compiles prefill and loop for these
+    inputs (cached for the next call; the loop from the prefill's output shapes) and returns None.
     """
+    sampling = args[-1]
     if compile_only:
         if stream is not None:
             raise ValueError("compile_only compiles the on-device loop; it cannot be combined with stream")
-        loop.compile(*args, timings=timings, **static)
+        exe = prefill.compile(*args, timings=timings, **static)
+        loop.compile(*step_args, exe.out_info, sampling, timings=timings, **step_static)
         return None
     t0 = time.perf_counter()
     compile_before = (timings or {}).get("compile_s", 0.0)
+    out = prefill(*args, timings=timings, **static)
     if stream is None:
-        out = loop(*args, timings=timings, **static)
+        out = loop(*step_args, out, sampling, timings=timings, **step_static)
         jax.block_until_ready(out)
     else:
-        out = init(*args, timings=timings, **static)
         seen = [0] * rows
         exe, exe_state_key = None, None
         while True:
             _report(out.out_BM, out.n_out_B, seen, stream)
             if bool(jnp.all(out.done_B)):
                 break
-            # step_args (the weights: hundreds of leaves) are the same objects every round, so the
-            # executable is looked up again only when the state's shapes or placement change (in
-            # practice once, after init): keying all ~340 leaves took ~0.5 ms of host time per round, the
-            # state's 69 leaves take ~0.05 ms
+            # step_args (the weights) are the same objects every round, so the executable is looked up
+            # again only when the state's shapes or placement change (in practice once, after prefill):
+            # keying every weight leaf each round cost host time per round
             state_key = tuple(_leaf_key(x) for x in jax.tree_util.tree_leaves(out))
             if state_key != exe_state_key:
-                exe, exe_state_key = step.compile(*step_args, out, timings=timings, **step_static), state_key
-            out = exe(*step_args, out)
+                exe = step.compile(*step_args, out, sampling, timings=timings, **step_static)
+                exe_state_key = state_key
+            out = exe(*step_args, out, sampling)
     if timings is not None:
         total = time.perf_counter() - t0
         timings["run_s"] = total - (timings.get("compile_s", 0.0) - compile_before)

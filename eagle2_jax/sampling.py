@@ -2,33 +2,60 @@
 
 The same `process_logits` feeds plain decoding, EAGLE-2 verification and the bonus token, so
 the distribution EAGLE-2 samples from is exactly the one plain decoding samples from.
+
+Programs take `SamplingParams`: whether decoding is greedy is static (it changes the program),
+temperature, top-k and top-p are traced arrays, so new values never recompile.
 """
 from __future__ import annotations
 
+from typing import Union
+
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from .config import SamplingConfig
-from .layers import NEG_INF
+from .ops import NEG_INF
 
 
-def process_logits(logits_NV: jax.Array, s: SamplingConfig) -> jax.Array:
-    """float32 logits with filtered entries set to NEG_INF (temperature > 0 only)."""
-    x = logits_NV.astype(jnp.float32) / jnp.float32(s.temperature)
-    if s.top_k and s.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
+@struct.dataclass
+class SamplingParams:
+    temperature: jax.Array  # float32 scalar
+    top_k: jax.Array  # int32 scalar, 0: off
+    top_p: jax.Array  # float32 scalar, 1: off
+    greedy: bool = struct.field(pytree_node=False, default=True)
+
+    @classmethod
+    def of(cls, s: Union[SamplingConfig, "SamplingParams"]) -> "SamplingParams":
+        if isinstance(s, SamplingParams):
+            return s
+        return cls(jnp.float32(s.temperature if not s.greedy else 1.0), jnp.int32(s.top_k),
+                   jnp.float32(s.top_p), s.greedy)
+
+
+def process_logits(logits_NV: jax.Array, s) -> jax.Array:
+    """float32 logits / temperature with the entries top-k and top-p filter out set to NEG_INF
+    (temperature > 0 only). One descending sort serves both filters; it is skipped (lax.cond)
+    when neither is on."""
+    s = SamplingParams.of(s)
+    x = logits_NV.astype(jnp.float32) / s.temperature
+    V = x.shape[-1]
+
+    def filtered(x):
+        desc = -jnp.sort(-x, axis=-1)
+        k = jnp.where((s.top_k > 0) & (s.top_k < V), s.top_k, V)
+        kth = jax.lax.dynamic_slice_in_dim(desc, k - 1, 1, axis=-1)
         x = jnp.where(x < kth, NEG_INF, x)
-    if s.top_p < 1.0:
-        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-        p = jax.nn.softmax(sorted_x, axis=-1)
+        desc = jnp.where(desc < kth, NEG_INF, desc)  # the sorted top-k-filtered logits
+        p = jax.nn.softmax(desc, axis=-1)
         exclusive = jnp.cumsum(p, axis=-1) - p
-        keep = exclusive < s.top_p  # always keeps the most likely token
-        cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < cutoff, NEG_INF, x)
-    return x
+        keep = (exclusive < s.top_p) | (s.top_p >= 1.0)  # always keeps the most likely token
+        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where(x < cutoff, NEG_INF, x)
+    return jax.lax.cond(((s.top_k > 0) & (s.top_k < V)) | (s.top_p < 1.0), filtered, lambda x: x, x)
 
 
-def target_probs(logits_NV: jax.Array, s: SamplingConfig) -> jax.Array:
+def target_probs(logits_NV: jax.Array, s) -> jax.Array:
     """The processed target distribution (float32, sums to 1)."""
     return jax.nn.softmax(process_logits(logits_NV, s), axis=-1)
 
@@ -67,11 +94,20 @@ def categorical(key, logits_V: jax.Array) -> jax.Array:
     return b * BLOCK + i
 
 
-def sample_token(key, logits_V: jax.Array, s: SamplingConfig) -> jax.Array:
+def sample_token(key, logits_V: jax.Array, s) -> jax.Array:
     """One token from one row's logits: argmax when greedy, else from the processed distribution."""
     if s.greedy:
         return jnp.argmax(logits_V, axis=-1).astype(jnp.int32)
     return categorical(key, process_logits(logits_V, s))
+
+
+def sample_rows(keys_B, logits_BV: jax.Array, s) -> jax.Array:
+    """One token per row [B]: the logits are processed for the whole batch first (one sort, not
+    one per row under vmap), then each row draws with its own key."""
+    s = SamplingParams.of(s)
+    if s.greedy:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.vmap(categorical)(keys_B, process_logits(logits_BV, s))
 
 
 def row_keys(seed_key, batch: int):

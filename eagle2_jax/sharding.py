@@ -1,7 +1,9 @@
 """Device mesh and partition rules, kept as data apart from the model math.
 
 Params are named by their '/'-joined path; the first rule whose regex matches gives the logical
-axes of each dimension; LOGICAL_AXES maps logical names to mesh axes. A dimension that the mesh
+axes of each dimension; LOGICAL_AXES maps logical names to mesh axes. The target's stacked layer
+params ("layers/...", STACKED_PREFIX) take the rule of their per-layer name with an unsharded
+leading layer axis. A dimension that the mesh
 axis does not divide is replicated (e.g. SmolLM2's 3 KV heads on a 2-way model axis).
 """
 from __future__ import annotations
@@ -40,8 +42,10 @@ PARAM_RULES: tuple = (
     (r".*", ()),  # everything else (norms, draft fc) replicated
 )
 
-# KV cache [B, K, S, Dh]
-CACHE_AXES = ("batch", "kv_heads", None, None)
+STACKED_PREFIX = "layers/"  # params stacked on a leading layer axis
+
+# stacked KV cache [L, B, K, S, Dh]
+CACHE_AXES = ("layers", "batch", "kv_heads", None, None)
 
 
 def make_mesh(data: int = 1, model: int = 1, devices: Optional[Sequence] = None) -> Mesh:
@@ -80,6 +84,9 @@ def spec_for(logical: Sequence, shape: Sequence[int], mesh: Mesh) -> P:
 
 
 def param_spec(path: str, shape, mesh: Mesh, rules=PARAM_RULES) -> P:
+    if path.startswith(STACKED_PREFIX):
+        inner = param_spec(path[len(STACKED_PREFIX):], tuple(shape)[1:], mesh, rules)
+        return P(None, *inner)
     for pattern, logical in rules:
         if re.search(pattern, path):
             return spec_for(logical, shape, mesh)
@@ -111,8 +118,7 @@ def constrain(x, mesh: Optional[Mesh], logical: Sequence):
 def constrain_cache(cache, mesh: Optional[Mesh]):
     if mesh is None:
         return cache
-    f = lambda a: constrain(a, mesh, CACHE_AXES)  # noqa: E731
-    return cache.replace(k=tuple(map(f, cache.k)), v=tuple(map(f, cache.v)))
+    return cache.replace(k=constrain(cache.k, mesh, CACHE_AXES), v=constrain(cache.v, mesh, CACHE_AXES))
 
 
 def batch_multiple(mesh: Optional[Mesh]) -> int:

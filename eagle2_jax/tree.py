@@ -14,9 +14,7 @@ from flax import struct
 from .cache import KVCache
 from .config import TreeConfig
 from .draft import EagleDraft, draft_apply
-from .layers import dense_dot_general
 from .model import Llama, target_embed, target_logits
-from . import packed as packing
 
 
 @struct.dataclass
@@ -56,12 +54,7 @@ def draft_topk(tmodule: Llama, tparams, dparams, h, k: int):
     if vh is None:
         score, tok = jax.lax.top_k(_log_softmax_f32(target_logits(tmodule, tparams, h)), k)
         return score, tok.astype(jnp.int32)
-    if "q8" in vh:  # packed rows [V', D] (see draft.with_draft_vocab)
-        logits = packing.matmul_nt(h.reshape(-1, h.shape[-1]), vh).reshape(h.shape[:-1] + (-1,))
-    else:
-        dot = dense_dot_general(getattr(tmodule, "few_row_kernels", False))  # [..., D] @ [D, V'], few-row kernel on CPU
-        logits = dot(h, vh["w"], (((h.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    score, idx = jax.lax.top_k(_log_softmax_f32(logits), k)
+    score, idx = jax.lax.top_k(_log_softmax_f32(tmodule.ops.vocab_logits(h, vh)), k)
     return score, jnp.take(vh["ids"], idx).astype(jnp.int32)
 
 

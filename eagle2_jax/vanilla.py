@@ -1,4 +1,5 @@
-"""Plain (autoregressive) decoding: one jitted prefill + `lax.while_loop` of single-token steps."""
+"""Plain (autoregressive) decoding: a prefill program, then a decode program (`lax.while_loop` of
+single-token steps) keyed by (batch bucket, cache bucket, greedy or sampling) only."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -14,7 +15,7 @@ from .layers import causal_mask
 from .model import Llama, Target, target_apply, target_logits
 from .outputs import emit
 from .programs import Program, run
-from .sampling import row_keys, sample_token, step_keys
+from .sampling import SamplingParams, row_keys, sample_rows, step_keys
 from .sharding import batch_multiple, constrain_cache
 
 
@@ -52,7 +53,7 @@ def init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, 
     B = prompt_BP.shape[0]
     _, cache, logits_BV = prefill(module, params, prompt_BP, prompt_len_B, cache_len, mesh)
     keys = row_keys(jax.random.PRNGKey(seed), B)
-    first = jax.vmap(lambda k, l: sample_token(k, l, sampling))(step_keys(keys, 0), logits_BV)
+    first = sample_rows(step_keys(keys, 0), logits_BV, sampling)
     out = jnp.zeros((B, out_len), jnp.int32)
     max_new_B = jnp.where(active_B, max_new, 0).astype(jnp.int32)
     out, n_out, done, _ = emit(out, jnp.zeros((B,), jnp.int32), ~active_B, first[:, None],
@@ -60,39 +61,36 @@ def init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, 
     return DecodeState(cache, first, out, n_out, done, max_new_B, keys, jnp.int32(1), eos)
 
 
-def decode_step(module: Llama, params, st: DecodeState, sampling: SamplingConfig) -> DecodeState:
+def decode_step(module: Llama, params, st: DecodeState, sampling: SamplingParams) -> DecodeState:
     B = st.token_B.shape[0]
     pos = st.cache.length[:, None]
     feats, cache = target_apply(module, params, st.token_B[:, None], pos, st.cache, jnp.ones((B, 1, 1), bool))
     cache = advance(cache, jnp.where(st.done_B, 0, 1))
     logits = target_logits(module, params, feats[:, 0])
-    nxt = jax.vmap(lambda k, l: sample_token(k, l, sampling))(step_keys(st.keys_B, st.step), logits)
+    nxt = sample_rows(step_keys(st.keys_B, st.step), logits, sampling)
     out, n_out, done, _ = emit(st.out_BM, st.n_out_B, st.done_B, nxt[:, None],
                                jnp.ones((B,), jnp.int32), st.max_new_B, st.eos)
     return st.replace(cache=cache, token_B=nxt, out_BM=out, n_out_B=n_out, done_B=done, step=st.step + 1)
 
 
-def _loop(params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, module, cache_len, out_len,
-          sampling, mesh):
-    st = init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed,
-                    cache_len=cache_len, out_len=out_len, sampling=sampling, mesh=mesh)
-    st = jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), lambda s: decode_step(module, params, s, sampling), st)
-    return st
-
-
-def _init(params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, module, cache_len, out_len,
-          sampling, mesh):
+def _prefill(params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, sampling, *, module, cache_len,
+             out_len, mesh):
     return init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed,
                       cache_len=cache_len, out_len=out_len, sampling=sampling, mesh=mesh)
 
 
-def _step(params, st, *, module, sampling):
+def _loop(params, st, sampling, *, module):
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), lambda s: decode_step(module, params, s, sampling), st)
+
+
+def _step(params, st, sampling, *, module):
     return decode_step(module, params, st, sampling)
 
 
-_STATIC = ("module", "cache_len", "out_len", "sampling", "mesh")
-LOOP, INIT, STEP = Program(_loop, _STATIC), Program(_init, _STATIC), Program(_step, ("module", "sampling"))
-STREAM_STEP = Program(_step, ("module", "sampling"), donate=("st",))  # see eagle.STREAM_STEP
+PREFILL = Program(_prefill, ("module", "cache_len", "out_len", "mesh"))
+LOOP = Program(_loop, ("module",), donate=("st",))
+STEP = Program(_step, ("module",))
+STREAM_STEP = Program(_step, ("module",), donate=("st",))  # see eagle.STREAM_STEP
 
 
 def _prepare(target: Target, prompts, max_new_tokens, slack: int):
@@ -112,13 +110,12 @@ def _device_inputs(target: Target, b):
 
 
 def _program_inputs(target: Target, prompts, max_new_tokens, eos_token_id, seed, sampling):
-    """The padded batch, the dynamic arguments and the static settings of LOOP / INIT."""
+    """The padded batch, the dynamic arguments and the static settings of PREFILL (LOOP takes its state)."""
     b = _prepare(target, prompts, max_new_tokens, slack=1)
     prompt, plen, active = _device_inputs(target, b)
     args = (target.params, prompt, plen, active, jnp.int32(max_new_tokens),
-            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed))
-    static = dict(module=target.module, cache_len=b.cache_len, out_len=b.max_new + 1, sampling=sampling,
-                  mesh=target.mesh)
+            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed), SamplingParams.of(sampling))
+    static = dict(module=target.module, cache_len=b.cache_len, out_len=b.cache_len, mesh=target.mesh)
     return b, args, static
 
 
@@ -126,7 +123,7 @@ def start(target: Target, prompts, *, max_new_tokens: int, sampling: SamplingCon
           eos_token_id: Optional[int] = None, seed: int = 0):
     """(state after prefill and the first token, padded batch): for tools that step decoding themselves."""
     b, args, static = _program_inputs(target, prompts, max_new_tokens, eos_token_id, seed, sampling)
-    return INIT(*args, **static), b
+    return PREFILL(*args, **static), b
 
 
 def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -140,8 +137,10 @@ def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperatur
     these prompts and settings need (cached for later calls), runs nothing and returns None.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
+    if target.abstract and not compile_only:
+        raise ValueError("this target has abstract params (shapes only): use compile_only=True")
     b, args, static = _program_inputs(target, prompts, max_new_tokens, eos_token_id, seed, sampling)
-    st = run(LOOP, INIT, STREAM_STEP, args, static, (target.params,), dict(module=target.module, sampling=sampling),
+    st = run(PREFILL, LOOP, STREAM_STEP, args, static, (target.params,), dict(module=target.module),
              b.num_rows, stream, timings, compile_only)
     if compile_only:
         return None

@@ -125,7 +125,8 @@ def _plain_step_ms(target, prompts, repeats, max_new=256):
     from eagle2_jax.vanilla import STREAM_STEP, start
     s = SamplingConfig()
     st, _ = start(target, prompts, max_new_tokens=max_new, sampling=s)
-    return _best(lambda st_: STREAM_STEP(target.params, st_, module=target.module, sampling=s),
+    from eagle2_jax.sampling import SamplingParams
+    return _best(lambda st_: STREAM_STEP(target.params, st_, SamplingParams.of(s), module=target.module),
                  lambda: (fresh_copy(st),), repeats)
 
 

@@ -114,6 +114,7 @@ def main(argv=None):
     from eagle2_jax.autotune import fresh_copy
     from eagle2_jax.config import SamplingConfig, TreeConfig
     from eagle2_jax.eagle import STEP, STREAM_STEP, start
+    from eagle2_jax.sampling import SamplingParams
     from eagle2_jax import vanilla
     from infer.roundcost import load_prompts
 
@@ -124,13 +125,13 @@ def main(argv=None):
     prompts = load_prompts(target, None, args.batch)
     st, _ = start(target, draft, prompts, max_new_tokens=max_new, tree=tree, sampling=s)
     for _ in range(8):
-        st = STEP(tp, dp, st, tmodule=tm, dmodule=dm, sampling=s, tree=tree)
-    eagle_static = dict(tmodule=tm, dmodule=dm, sampling=s, tree=tree)
-    eagle = lambda x: STREAM_STEP(tp, dp, x, **eagle_static)  # noqa: E731
-    eagle_hlo = lambda: STREAM_STEP.compile(tp, dp, st, **eagle_static).as_text()  # noqa: E731
+        st = STEP(tp, dp, st, SamplingParams.of(s), tmodule=tm, dmodule=dm, tree=tree)
+    eagle_static = dict(tmodule=tm, dmodule=dm, tree=tree)
+    eagle = lambda x: STREAM_STEP(tp, dp, x, SamplingParams.of(s), **eagle_static)  # noqa: E731
+    eagle_hlo = lambda: STREAM_STEP.compile(tp, dp, st, SamplingParams.of(s), **eagle_static).as_text()  # noqa: E731
     pst, _ = vanilla.start(target, prompts, max_new_tokens=max_new, sampling=s)
-    plain = lambda x: vanilla.STREAM_STEP(tp, x, module=tm, sampling=s)  # noqa: E731
-    plain_hlo = lambda: vanilla.STREAM_STEP.compile(tp, pst, module=tm, sampling=s).as_text()  # noqa: E731
+    plain = lambda x: vanilla.STREAM_STEP(tp, x, SamplingParams.of(s), module=tm)  # noqa: E731
+    plain_hlo = lambda: vanilla.STREAM_STEP.compile(tp, pst, SamplingParams.of(s), module=tm).as_text()  # noqa: E731
     for name, fn, state, hlo in (("eagle round", eagle, st, eagle_hlo), ("plain step", plain, pst, plain_hlo)):
         jax.block_until_ready(fn(fresh_copy(state)))  # compile + warm
         copies = [fresh_copy(state) for _ in range(args.steps)]

@@ -1,4 +1,4 @@
-"""Target weights kept in a GGUF's block quantisation, for the CPU kernels (eagle2_jax.cpu_kernels).
+"""Target weights kept in a GGUF's block quantisation, for the CPU kernels (eagle2_jax.cpu.kernels).
 
 A float32 decode step on a CPU is bound by reading the weights (536 MB for SmolLM2-135M). A GGUF
 such as SmolLM2-135M-Instruct.Q4_1 stores them in 5-8.5 bits: the kernels here read those blocks
@@ -12,8 +12,9 @@ costs more than that dot (30 layers at 8-32 rows: ~300 ms vs 58-87 ms).
 
 A packed leaf replaces a float32 param leaf by a dict:
 
-  Q4_1 matrix, a Dense kernel [K, *features] with N = prod(features):
-    {"q4": uint8 [K, N/2], "d": float32 [K/32, N], "m": float32 [K/32, N], "w": float32 [K, N]}
+  Q4_1 matrix, a Dense kernel [*in, *features] with K = prod(in), N = prod(features):
+    {"q4": uint8 [K, N/2], "d": float32 [K/32, N], "m": float32 [K/32, N], "w": float32 [*in, *features]}
+    (the target's layers stack these leaves on a leading L axis, as every other layer param)
     w[k, c] = d[k/32, c] * q[k, c] + m[k/32, c] (the product rounded, then the sum); q in 0..15,
     packed per group of 2L columns c0..: byte c0/2 + i holds column c0 + i in its low nibble and
     c0 + L + i in its high one (L = cpu_kernels.lanes(), the kernel's vector width)
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cpu_kernels
+from . import kernels as cpu_kernels
 
 BLOCK = 32
 
@@ -118,7 +119,7 @@ def matmul(x_MK, leaf) -> jax.Array:
     """x [M, K] @ w [K, N] for a packed Q4 kernel: the kernel for up to NN_MAX_ROWS rows."""
     if x_MK.shape[0] <= cpu_kernels.NN_MAX_ROWS and cpu_kernels.load():
         return cpu_kernels.q4_matmul(x_MK.astype(jnp.float32), leaf["q4"], leaf["d"], leaf["m"])
-    return jnp.dot(x_MK.astype(jnp.float32), dequantize(leaf))
+    return jnp.dot(x_MK.astype(jnp.float32), dequantize(leaf).reshape(x_MK.shape[1], -1))
 
 
 def matmul_nt(x_MK, leaf) -> jax.Array:

@@ -1,36 +1,35 @@
-"""Few-row float32 matmuls and attention for XLA:CPU (XLA FFI custom calls, `few_row_matmul.cc`).
+"""Few-row float32 matmuls and attention for XLA:CPU (XLA FFI custom calls, `few_row_kernels.cc`).
 
 On a CPU, XLA runs a one-row matmul as a memory-bound matrix-vector product but 2-16 rows as a
 general GEMM that costs nearly twice as much per weight byte, so verifying a small draft tree costs
-far more than decoding one token. The kernel here streams the weights once for up to a few rows
+far more than decoding one token. The kernels here stream the weights once for up to a few rows
 (`scripts/bench_few_row_matmul.py`, all SmolLM2-135M weights on the 2-core dev machine: 1 / 2 / 4 /
 8 rows 21.1 / 24.0 / 29.4 / 35.8 ms, XLA's dot 27.5 / 32.4 / 40.8 / 47.6 ms).
 
-The target and draft modules take `few_row_kernels` (static); `Target.module` and `Draft.module`
-set it with `use_for(params)`: the default backend is the CPU, the params sit on one device (sharded
-runs keep XLA's dot), `EAGLE2_JAX_CPU_KERNELS` is not "0", and the kernel compiled (a C++ compiler is
-needed once; the library is cached per machine). Their Dense layers and LM head then call
-`dot_general`, a drop-in for `lax.dot_general` that takes the kernel only for float32 operands with
-no batch dimensions, contracting lhs's trailing dimensions with rhs's leading ones (a Dense kernel
-[in, out]) or trailing one (a tied embedding [V, D]), over at most `NN_MAX_ROWS` / `NT_MAX_ROWS`
-rows (beyond that XLA's GEMM is as fast or faster). Anything else goes to `lax.dot_general`
-(operands of different dtypes promoted first, as `jnp.einsum` does).
-Gradients go through XLA's dot (training never runs on the kernel's few rows anyway).
+`eagle2_jax.cpu.ops.CpuOps` plugs them into the model (the core never imports this module).
+`dot_general` is a drop-in for `lax.dot_general` that takes the kernel only for float32 operands
+with no batch dimensions, contracting lhs's trailing dimensions with rhs's leading ones (a Dense
+kernel [in, out]) or trailing one (a tied embedding [V, D]), over at most `NN_MAX_ROWS` /
+`NT_MAX_ROWS` rows (beyond that XLA's GEMM is as fast or faster). Anything else goes to
+`lax.dot_general`. Gradients go through XLA's dot.
+
+Every kernel takes a scalar `layer` operand: a weight (or cache) with one more leading axis than
+the kernel expects is a stack of layers and the kernel reads slice `layer` in place. Inside the
+model's `lax.scan` over layers this is what keeps XLA from copying each layer's weights out of the
+stack before the call (measured: +25-30% per step with the copies).
 
 Each output element is summed in the same order whatever the number of rows, so a verified row is
-bit-identical to the same row decoded alone; the greedy identity tests run with the kernel on.
+bit-identical to the same row decoded alone; the greedy identity tests run with the kernels on.
 
-The same library holds `attention`, which `layers.attend` uses under the same switch for float32
-caches: a few query rows over the KV cache, reading only the slots a row's mask lets it see (XLA's
-attention computes every padded slot of the cache), each row summed over its keys in one fixed
-order, cache slots then the new keys. A token verified in a tree with its ancestors among the new
-keys therefore gets the bits it gets when decoded alone with those keys already in the cache.
+`attention`: a few query rows over the KV cache, reading only the slots a row's mask lets it see
+(XLA's attention computes every padded slot of the cache), each row summed over its keys in one
+fixed order, cache slots then the new keys. A token verified in a tree with its ancestors among the
+new keys therefore gets the bits it gets when decoded alone with those keys already in the cache.
 
-It also holds `q4_matmul` and `q8_matmul_nt`, the nn and nt matmuls over weights kept in a GGUF's
-Q4_1 / Q8_0 blocks (eagle2_jax.packed): each weight is dequantised in registers to the exact
-float32 value numpy's dequantisation gives and accumulated through the same fused multiply-adds in
-the same order as the float32 kernels, so the results are bit-identical while a pass reads 5-8.5
-bits per weight instead of 32.
+`q4_matmul` and `q8_matmul_nt`: the nn and nt matmuls over weights kept in a GGUF's Q4_1 / Q8_0
+blocks (eagle2_jax.cpu.packed): each weight is dequantised in registers to the exact float32 value
+numpy's dequantisation gives and accumulated in the same order as the float32 kernels, so the
+results are bit-identical while a pass reads 5-8.5 bits per weight instead of 32.
 """
 from __future__ import annotations
 
@@ -47,15 +46,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 TARGET = "eagle2_few_row_matmul"
 ATTENTION_TARGET = "eagle2_few_row_attention"
 Q4_TARGET = "eagle2_q4_matmul"
 Q8_NT_TARGET = "eagle2_q8_matmul_nt"
-SOURCE = Path(__file__).with_name("few_row_matmul.cc")
-ENV_SWITCH = "EAGLE2_JAX_CPU_KERNELS"
-ATTENTION_SWITCH = "EAGLE2_JAX_CPU_ATTENTION"  # "0": attention stays on XLA (the matmuls may not)
+SOURCE = Path(__file__).with_name("few_row_kernels.cc")
 NN_MAX_ROWS = 8  # x @ w[K, N]
 NT_MAX_ROWS = 8  # x @ w[N, K].T
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
@@ -67,13 +65,8 @@ def _cache_dir() -> Path:
 
 
 def _cpu_signature() -> str:
-    """-march=native code must not be reused on a CPU with other features."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
+    from ..file_cache import cpu_signature
+    return cpu_signature()
 
 
 def library_path() -> Path:
@@ -137,15 +130,20 @@ def _require():
         raise RuntimeError("the CPU kernels did not build here (see the warning above)")
 
 
-def q4_matmul(x, q4, d, m):
-    """x [..., K] @ w [K, N] with w in Q4_1 blocks (eagle2_jax.packed): q4 [K, N/2] uint8,
+def _layer(layer):
+    return jnp.asarray(0 if layer is None else layer, jnp.int32)
+
+
+def q4_matmul(x, q4, d, m, layer=None):
+    """x [..., K] @ w [K, N] with w in Q4_1 blocks (eagle2_jax.cpu.packed): q4 [K, N/2] uint8,
     d and m [K/32, N] float32; w[k, c] = d[k/32, c] * q[k, c] + m[k/32, c], the product rounded
-    before the sum, as numpy's dequantisation. Bit-identical to `matmul` on the dequantised w."""
+    before the sum, as numpy's dequantisation. Bit-identical to `matmul` on the dequantised w.
+    With `layer`, q4, d and m are stacks [L, ...] and slice `layer` is read in place."""
     _require()
-    n = 2 * q4.shape[1]
+    n = 2 * q4.shape[-1]
     call = jax.ffi.ffi_call(Q4_TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32),
                             vmap_method="sequential")
-    return call(x, q4, d, m)
+    return call(x, q4, d, m, _layer(layer))
 
 
 def q8_matmul_nt(x, q8, d):
@@ -157,58 +155,55 @@ def q8_matmul_nt(x, q8, d):
     return call(x, q8, d)
 
 
-def use_for(params) -> bool:
-    """Whether modules running on `params` should use the kernel (see the module docstring)."""
-    if os.environ.get(ENV_SWITCH, "1") == "0" or jax.default_backend() != "cpu":
-        return False
-    leaves = jax.tree_util.tree_leaves(params)
-    sharding = getattr(leaves[0], "sharding", None) if leaves else None
-    if sharding is None or len(sharding.device_set) != 1:
-        return False
-    return load()
-
-
-def _call(x, w, transpose_w: bool):
-    n = w.shape[0] if transpose_w else w.shape[1]
+def _call(x, w, layer, transpose_w: bool):
+    n = w.shape[-2] if transpose_w else w.shape[-1]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + (n,), jnp.float32),
                             vmap_method="sequential")
-    return call(x, w, transpose_w=transpose_w)
+    return call(x, w, _layer(layer), transpose_w=transpose_w)
+
+
+def _slice(w, layer):
+    return w if layer is None else lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def matmul(x, w, transpose_w: bool = False):
-    """x [..., K] @ w [K, N] (or w [N, K] transposed) -> [..., N] float32, through the kernel."""
-    return _call(x, w, transpose_w)
+def _matmul(x, w, transpose_w, layer):
+    return _call(x, w, layer, transpose_w)
 
 
-def _matmul_fwd(x, w, transpose_w):
-    return _call(x, w, transpose_w), (x, w)
+def _matmul_fwd(x, w, transpose_w, layer):
+    return _call(x, w, layer, transpose_w), (x, w, layer)
 
 
 def _matmul_bwd(transpose_w, res, g):
-    x, w = res
+    x, w_all, layer = res
+    w = _slice(w_all, layer)
     x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    if transpose_w:  # y = x @ w.T
-        return (g @ w).reshape(x.shape), g2.T @ x2
-    return (g @ w.T).reshape(x.shape), x2.T @ g2
+    dw = g2.T @ x2 if transpose_w else x2.T @ g2  # y = x @ w.T, or y = x @ w
+    if layer is not None:
+        dw = jnp.zeros_like(w_all).at[layer].set(dw)
+    dlayer = None if layer is None else np.zeros((), jax.dtypes.float0)
+    return (g @ w if transpose_w else g @ w.T).reshape(x.shape), dw, dlayer
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def attention_enabled() -> bool:
-    """Whether modules that use the kernels also take `attention` (EAGLE2_JAX_CPU_ATTENTION not "0")."""
-    return os.environ.get(ATTENTION_SWITCH, "1") != "0" and load()
+def matmul(x, w, transpose_w: bool = False, layer=None):
+    """x [..., K] @ w [K, N] (or w [N, K] transposed) -> [..., N] float32, through the kernel.
+    With `layer` (a traced int32 scalar), w is a stack [L, ...] and slice `layer` is read in place."""
+    return _matmul(x, w, transpose_w, layer)
 
 
-def attention(q_BKMD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
+def attention(q_BKMD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, layer=None):
     """Attention of M = G * T query rows (row m = g * T + t, already scaled) per KV head over the
-    unmasked cache slots and new keys, float32, through the kernel (no gradient: see layers.attend).
+    unmasked cache slots and new keys, float32, through the kernel (no gradient: see cpu.ops).
     Each row sums over its unmasked keys in one fixed order (cache slots, then new keys), so its
-    result does not depend on the other rows or on padded slots; a row with no key gets zeros."""
+    result does not depend on the other rows or on padded slots; a row with no key gets zeros.
+    With `layer`, the caches are stacks [L, B, K, S, Dh] read at slice `layer` in place."""
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q_BKMD.shape, jnp.float32),
                             vmap_method="sequential")
-    return call(q_BKMD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT)
+    return call(q_BKMD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, _layer(layer))
 
 
 def _plan(lhs, rhs, dimension_numbers):

@@ -13,6 +13,10 @@
 //   y[M, N] = x[M, K] @ w[K, N]      ("nn": a Dense kernel, [in, out])
 //   y[M, N] = x[M, K] @ w[N, K]^T    ("nt": a tied embedding as LM head)
 //
+// Weights and caches may carry a leading layer axis (the model's stacked
+// layers): the scalar `layer` operand picks the slice, read in place, so a
+// scan over layers never copies a layer's weights out of the stack.
+//
 // Work is split over column blocks and shared with XLA's intra-op thread
 // pool; the calling thread takes blocks too, so the call finishes even when
 // no pool thread is free.
@@ -34,6 +38,15 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+// Offset of slice `layer` in a buffer whose rank is `rank` + 1 (stacked) or
+// `rank` (one layer, layer must be 0); -1 when the rank or index is wrong.
+template <typename Dims>
+int64_t LayerOffset(const Dims& dims, size_t rank, int32_t layer, int64_t count) {
+  if (dims.size() == rank) return layer == 0 ? 0 : -1;
+  if (dims.size() != rank + 1 || layer < 0 || layer >= dims[0] || dims[0] == 0) return -1;
+  return count / dims[0] * layer;
+}
 
 // Vector width and k-blocking follow the ISA -march=native compiled for:
 // 16 floats and 16 k per pass with AVX-512 (32 vector registers); 8 and 8
@@ -278,16 +291,18 @@ void share_work(ffi::ThreadPool& pool, const std::shared_ptr<W>& job, int64_t th
 }
 
 ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y,
-                        bool transpose_w) {
+                        ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                        ffi::ResultBuffer<ffi::F32> y, bool transpose_w) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (wd.size() != 2 || xd.size() < 1)
-    return ffi::Error::InvalidArgument("few_row_matmul: w must be 2-D and x at least 1-D");
+  const int64_t off = LayerOffset(wd, 2, layer.typed_data()[0], w.element_count());
+  if (off < 0 || xd.size() < 1)
+    return ffi::Error::InvalidArgument("few_row_matmul: w must be 2-D (or stacked 3-D with a valid layer) and x at least 1-D");
+  const size_t r = wd.size() - 2;
   const int64_t K = xd.back();
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
-  const int64_t N = transpose_w ? wd[0] : wd[1];
-  if ((transpose_w ? wd[1] : wd[0]) != K)
+  const int64_t N = transpose_w ? wd[r] : wd[r + 1];
+  if ((transpose_w ? wd[r + 1] : wd[r]) != K)
     return ffi::Error::InvalidArgument("few_row_matmul: contraction sizes differ");
   if (static_cast<int64_t>(y->element_count()) != M * N)
     return ffi::Error::InvalidArgument("few_row_matmul: output size is not M x N");
@@ -295,7 +310,7 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
   auto job = std::make_shared<Job>();
   job->x = x.typed_data();
-  job->w = w.typed_data();
+  job->w = w.typed_data() + off;
   job->y = y->typed_data();
   job->M = M;
   job->K = K;
@@ -471,20 +486,27 @@ ffi::Error QuantMatmul(ffi::ThreadPool& pool, const float* x, const void* q, con
 
 // x [..., K] @ w[K, N], w as q4 [K, N/2], d and m [K/32, N]
 ffi::Error Q4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q4,
-                    ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::Buffer<ffi::F32> d, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = q4.dimensions();
-  if (qd.size() != 2 || xd.size() < 1)
-    return ffi::Error::InvalidArgument("q4_matmul: q4 must be 2-D and x at least 1-D");
-  const int64_t K = xd.back(), N = 2 * qd[1];
+  const int32_t l = layer.typed_data()[0];
+  const int64_t off = LayerOffset(qd, 2, l, q4.element_count());
+  const int64_t doff = LayerOffset(d.dimensions(), 2, l, d.element_count());
+  const int64_t moff = LayerOffset(m.dimensions(), 2, l, m.element_count());
+  if (off < 0 || doff < 0 || moff < 0 || xd.size() < 1)
+    return ffi::Error::InvalidArgument("q4_matmul: q4, d, m must be 2-D (or stacked 3-D with a valid layer) and x at least 1-D");
+  const size_t r = qd.size() - 2;
+  const int64_t K = xd.back(), N = 2 * qd[r + 1];
   const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
-  if (qd[0] != K || K % 32 || N % (2 * kLanes))
+  const int64_t slices = qd.size() == 3 ? qd[0] : 1;
+  if (qd[r] != K || K % 32 || N % (2 * kLanes))
     return ffi::Error::InvalidArgument("q4_matmul: K must match and be a multiple of 32, N of 2 x lanes");
-  if (static_cast<int64_t>(d.element_count()) != K / 32 * N ||
-      static_cast<int64_t>(m.element_count()) != K / 32 * N ||
+  if (static_cast<int64_t>(d.element_count()) != slices * (K / 32) * N ||
+      static_cast<int64_t>(m.element_count()) != slices * (K / 32) * N ||
       static_cast<int64_t>(y->element_count()) != M * N)
     return ffi::Error::InvalidArgument("q4_matmul: scale or output sizes do not agree");
-  return QuantMatmul(pool, x.typed_data(), q4.typed_data(), d.typed_data(), m.typed_data(),
-                     y->typed_data(), M, K, N, false);
+  return QuantMatmul(pool, x.typed_data(), q4.typed_data() + off, d.typed_data() + doff,
+                     m.typed_data() + moff, y->typed_data(), M, K, N, false);
 }
 
 // x [..., K] @ w[N, K]^T, w as q8 [N, K] int8 and d [N, K/32]
@@ -588,10 +610,13 @@ struct AttnJob {
 ffi::Error FewRowAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
                            ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> mask,
                            ffi::Buffer<ffi::F32> kn, ffi::Buffer<ffi::F32> vn,
-                           ffi::Buffer<ffi::PRED> mask_new, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), cd = kc.dimensions(), nd = kn.dimensions();
-  if (qd.size() != 4 || cd.size() != 4 || nd.size() != 4)
-    return ffi::Error::InvalidArgument("few_row_attention: q, caches and new keys must be 4-D");
+                           ffi::Buffer<ffi::PRED> mask_new, ffi::Buffer<ffi::S32> layer,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), cdl = kc.dimensions(), nd = kn.dimensions();
+  const int64_t off = LayerOffset(cdl, 4, layer.typed_data()[0], kc.element_count());
+  if (qd.size() != 4 || off < 0 || nd.size() != 4 || vc.dimensions().size() != cdl.size())
+    return ffi::Error::InvalidArgument("few_row_attention: q and new keys must be 4-D, caches 4-D or stacked 5-D with a valid layer");
+  const int64_t cd[4] = {cdl[cdl.size() - 4], cdl[cdl.size() - 3], cdl[cdl.size() - 2], cdl[cdl.size() - 1]};
   auto job = std::make_shared<AttnJob>();
   job->B = qd[0]; job->K = qd[1]; job->M = qd[2]; job->Dh = qd[3];
   job->S = cd[2]; job->T = nd[2];
@@ -603,7 +628,7 @@ ffi::Error FewRowAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
       static_cast<int64_t>(mask_new.element_count()) != job->B * job->T * job->T ||
       vc.element_count() != kc.element_count() || vn.element_count() != kn.element_count())
     return ffi::Error::InvalidArgument("few_row_attention: shapes do not agree");
-  job->q = q.typed_data(); job->kc = kc.typed_data(); job->vc = vc.typed_data();
+  job->q = q.typed_data(); job->kc = kc.typed_data() + off; job->vc = vc.typed_data() + off;
   job->kn = kn.typed_data(); job->vn = vn.typed_data();
   job->mask = mask.typed_data(); job->mask_new = mask_new.typed_data();
   job->out = out->typed_data();
@@ -621,6 +646,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_few_row_matmul, FewRowMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("transpose_w"));
 
@@ -634,6 +660,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_few_row_attention, FewRowAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_q4_matmul, Q4Matmul,
@@ -643,6 +670,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_q4_matmul, Q4Matmul,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_q8_matmul_nt, Q8MatmulNT,
