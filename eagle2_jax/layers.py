@@ -70,13 +70,16 @@ def rms_norm(ops: Ops, p, x, eps: float):
     scale = ops.weight(p["scale"])
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return scale * xf.astype(scale.dtype)
+    return scale.reshape((1,) * (x.ndim - 1) + (-1,)) * xf.astype(scale.dtype)
 
 
 def dense(ops: Ops, p, x, n_in: int = 1):
     """A Dense / DenseGeneral layer: p["kernel"] [*in, *out] (+ p["bias"] [*out])."""
     y = ops.dense(x, p["kernel"], n_in)
-    return y + ops.weight(p["bias"]).astype(y.dtype) if "bias" in p else y
+    if "bias" not in p:
+        return y
+    b = ops.weight(p["bias"]).astype(y.dtype)
+    return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
 
 
 def attention(ops: Ops, c: ModelConfig, p, x_BTD, positions_BT, k_BKSD, v_BKSD, masks):

@@ -36,7 +36,6 @@ def permutation_oracle(seed=0, vocab=64, hidden=32, layer_scale=0.0):
     """
     # the default tiny config: with the default vocab and hidden size the oracle's modules equal the
     # random pair's, so tests running both share their compiled programs
-    cfg = tiny_config(vocab_size=vocab, hidden_size=hidden)
     target, draft = tiny_pair(seed, vocab_size=vocab, hidden_size=hidden)
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed + 7))
     E = _unit_rows(k1, vocab, hidden)
@@ -46,10 +45,9 @@ def permutation_oracle(seed=0, vocab=64, hidden=32, layer_scale=0.0):
     p["embed"] = E
     p["lm_head"] = head
     p["norm"]["scale"] = jnp.ones((hidden,))
-    for i in range(cfg.num_hidden_layers):
-        lp = p[f"layers_{i}"]
-        lp["attn"]["o"]["kernel"] = lp["attn"]["o"]["kernel"] * layer_scale
-        lp["mlp"]["down"]["kernel"] = lp["mlp"]["down"]["kernel"] * layer_scale
+    lp = p["layers"]  # stacked: [L, ...]
+    lp["attn"]["o"]["kernel"] = lp["attn"]["o"]["kernel"] * layer_scale
+    lp["mlp"]["down"]["kernel"] = lp["mlp"]["down"]["kernel"] * layer_scale
     target.params = p
     dp = jax.tree_util.tree_map(lambda x: x, draft.params)
     dp["fc"]["kernel"] = jnp.concatenate([jnp.eye(hidden), jnp.zeros((hidden, hidden))], axis=0)
