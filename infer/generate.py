@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-packed", dest="packed", action="store_false",
                     help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
                          "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
-                         "arithmetic from a sixth of the memory traffic (eagle2_jax.packed; also EAGLE2_JAX_PACKED=0)")
+                         "arithmetic from a sixth of the memory traffic (eagle2_jax.cpu.packed; also EAGLE2_JAX_PACKED=0)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "

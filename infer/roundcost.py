@@ -49,7 +49,7 @@ def parse(argv=None):
     ap.add_argument("--no-packed", dest="packed", action="store_false",
                     help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
                          "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
-                         "arithmetic from a sixth of the memory traffic (eagle2_jax.packed; also EAGLE2_JAX_PACKED=0)")
+                         "arithmetic from a sixth of the memory traffic (eagle2_jax.cpu.packed; also EAGLE2_JAX_PACKED=0)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
@@ -152,6 +152,7 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     from eagle2_jax.autotune import calibrate, fresh_copy
     from eagle2_jax.config import SamplingConfig, TreeConfig
     from eagle2_jax.eagle import STEP, start
+    from eagle2_jax.sampling import SamplingParams
     batch = len(prompts)
     pool_size = top_k + depth * top_k * top_k
     sizes = sorted({min(n, pool_size + 1) for n in sizes})
@@ -168,7 +169,7 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     if calibration_prompts is not None and len(calibration_prompts) > len(prompts):
         acc, _ = calibrate(target, draft, state(calibration_prompts), big, rounds=calibration_rounds)
         for _ in range(calibration_rounds):
-            st = STEP(tp, dp, st, tmodule=tm, dmodule=dm, sampling=s, tree=big)
+            st = STEP(tp, dp, st, SamplingParams.of(s), tmodule=tm, dmodule=dm, tree=big)
     else:
         acc, st = calibrate(target, draft, st, big, rounds=calibration_rounds)
     p_draft, p_verify, p_accept, p_round = _parts()

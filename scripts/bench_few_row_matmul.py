@@ -1,10 +1,10 @@
 """Few-row matmul microbenchmark: the SmolLM2-135M weight shapes (30 layers of q/k/v/o + gate/up/down
-and the tied 49,152-word LM head, random float32) at 1-8 rows, XLA's dot vs eagle2_jax.cpu_kernels.
+and the tied 49,152-word LM head, random float32) at 1-8 rows, XLA's dot vs eagle2_jax.cpu.kernels.
 
     python scripts/bench_few_row_matmul.py [--rows 1,2,4,8] [--repeats 15] [--packed]
 
 Prints the best time of one pass over all weights (~540 MB) per row count. --packed adds the same
-pass over random Q4_1 matrices and a Q8_0 LM head through the packed kernels (eagle2_jax.packed;
+pass over random Q4_1 matrices and a Q8_0 LM head through the packed kernels (eagle2_jax.cpu.packed;
 ~110 MB) and checks that its outputs equal the float32 kernel's on the dequantised weights. No timing is asserted
 anywhere; this only shows what the kernel buys on the machine at hand.
 """
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle2_jax import cpu_kernels, packed
+from eagle2_jax.cpu import kernels as cpu_kernels, packed
 
 
 def main():

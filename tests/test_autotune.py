@@ -26,6 +26,7 @@ def test_calibration_reads_off_what_every_smaller_tree_accepts():
     from eagle2_jax.autotune import ACCEPT_RANKS
     from eagle2_jax.config import SamplingConfig
     from eagle2_jax.eagle import STEP, start
+    from eagle2_jax.sampling import SamplingParams
     t, d, _ = permutation_oracle(0, layer_scale=1.5)  # partly predictable: acceptance varies with n
     big, sizes = TreeConfig(3, 3, 20), (2, 3, 4, 8, 20)
     s = SamplingConfig()
@@ -36,10 +37,10 @@ def test_calibration_reads_off_what_every_smaller_tree_accepts():
         ranks, _, act = (np.asarray(x) for x in ACCEPT_RANKS(t.params, d.params, st, tree=big, **mods))
         rows, r0 = np.arange(len(act)), np.asarray(st.rounds_B)
         for n in sizes:
-            real = STEP(t.params, d.params, st, sampling=s, tree=TreeConfig(3, 3, n), **mods)
+            real = STEP(t.params, d.params, st, SamplingParams.of(s), tree=TreeConfig(3, 3, n), **mods)
             got = np.asarray(real.accept_BR)[rows, r0]
             want = 1 + (ranks < n - 1).sum(axis=1)
             assert np.array_equal(got[act], want[act]), (n, got, want)
             seen.update(want[act].tolist())
-        st = STEP(t.params, d.params, st, sampling=s, tree=big, **mods)
+        st = STEP(t.params, d.params, st, SamplingParams.of(s), tree=big, **mods)
     assert len(seen) >= 3  # the check covered different acceptance lengths

