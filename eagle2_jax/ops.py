@@ -32,6 +32,9 @@ class Ops:
     """The XLA implementation; backends override methods. Fields are static settings."""
 
     name: str = "xla"
+    # unroll the layer scan (MaxText's scan_layers=False): for cost analysis, where XLA counts a
+    # while loop's body once; programs keep the rolled scan (flat compile time and program size)
+    unroll_layers: bool = False
 
     # ---- weights ------------------------------------------------------------------------------
     def weight(self, w) -> jax.Array:
@@ -78,7 +81,7 @@ class Ops:
 
     def scan_layers(self, body: Callable, carry, xs):
         """`lax.scan(body, carry, xs)` over stacked layers (xs leaves [L, ...])."""
-        return jax.lax.scan(body, carry, xs)
+        return jax.lax.scan(body, carry, xs, unroll=self.unroll_layers)
 
 
 XLA = Ops()

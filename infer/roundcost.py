@@ -15,6 +15,12 @@ largest tree, read for every smaller size at the same states (eagle2_jax.autotun
 draft's own estimate (1 + the sum of the N-1 best exp(scores)) is shown beside it.
 Writes roundcost.json, roundcost.md and roundcost.png under --out. Times are the best of
 --repeats runs (compile excluded).
+
+With --analytic nothing runs: for each batch and tree size it prints per-round bytes, FLOPs and
+kernel counts per part against one plain step, from XLA's cost analysis of the lowered programs
+with abstract params (no weights needed; bytes and FLOPs are the pre-optimisation
+`Lowered.cost_analysis()`, so CPU-only rewrites do not distort them), and the roofline speedup at
+--tau on --accelerator (see infer/analytic.py); --json FILE writes it.
 """
 from __future__ import annotations
 
@@ -55,7 +61,34 @@ def parse(argv=None):
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
                          "on XLA:CPU here")
     ap.add_argument("--out", default="runs/bench/roundcost")
+    an = ap.add_argument_group("analytic (--analytic: cost analysis of the lowered programs, nothing runs)")
+    an.add_argument("--analytic", action="store_true", help="report bytes / FLOPs / kernels and the roofline instead of timing")
+    an.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (with --max-new-tokens: the cache bucket)")
+    an.add_argument("--tau", type=float, default=4.5, help="tokens per round for the roofline speedup")
+    an.add_argument("--accelerator", default="h200", help="h200, h100, a100, tpu-v5e, tpu-v6e")
+    an.add_argument("--draft-vocab", type=int, default=32000,
+                    help="draft vocabulary size (frequency-ranked ids; 0: the full vocabulary)")
+    an.add_argument("--no-kernels", dest="kernels", action="store_false",
+                    help="skip compiling for kernel counts (bytes and FLOPs only)")
+    an.add_argument("--json", default=None, help="write the report(s) as JSON")
     return ap.parse_args(argv)
+
+
+def analytic_main(args):
+    from infer.analytic import analyze, format_report
+    reports = []
+    for bsz in [int(x) for x in args.batch.split(",")]:
+        for n in [int(x) for x in args.total_tokens.split(",")]:
+            model = "random:smollm2-135m" if args.model == "smollm2-135m-instruct" else args.model  # shapes only
+            r = analyze(model,
+                        args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
+                        args.draft_vocab, args.tau, args.accelerator, args.kernels)
+            print(format_report(r) + "\n", flush=True)
+            reports.append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports[0] if len(reports) == 1 else reports, f, indent=2)
+        print(f"wrote {args.json}")
 
 
 def _best(fn, make_args, repeats, first_call=None):
@@ -247,6 +280,8 @@ def write(rows, out, figure=True):
 
 def main(argv=None):
     args = parse(argv)
+    if args.analytic:
+        return analytic_main(args)
     from eagle2_jax.programs import enable_compile_cache
     enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
     from tqdm import tqdm

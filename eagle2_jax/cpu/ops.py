@@ -70,7 +70,7 @@ class CpuOps(core_ops.Ops):
 
         def step(c, i):
             return body(c, jax.tree_util.tree_map(lambda a: Indexed(a, i), xs))
-        return lax.scan(step, carry, jnp.arange(L, dtype=jnp.int32))
+        return lax.scan(step, carry, jnp.arange(L, dtype=jnp.int32), unroll=self.unroll_layers)
 
     def dense(self, x, w, n_in: int = 1):
         lead, k = x.shape[:x.ndim - n_in], math.prod(x.shape[x.ndim - n_in:])

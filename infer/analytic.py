@@ -1,0 +1,217 @@
+"""Analytic round cost: bytes, FLOPs and kernels of one EAGLE-2 round and its parts against one plain
+decoding step, from XLA's cost analysis of the lowered programs, and the roofline speedup at a given
+tau on a named accelerator. No weights are needed (abstract params), so it runs anywhere.
+
+    python -m infer.roundcost --analytic --model random:llama-3.1-8b --dtype bfloat16 --batch 1 \\
+        --depth 5 --top-k 10 --total-tokens 60 --prompt-len 64 --max-new-tokens 256 --tau 4.5
+
+Bytes and FLOPs are `Lowered.cost_analysis()` of each program before XLA's optimisations: every op's
+operands and results counted as if nothing were fused, so backend-specific rewrites (CPU fusion
+choices) do not distort them; they over-count what a fused kernel reads and are an upper bound.
+XLA counts a while loop's body once, so for the analysis the layers are unrolled and each layer's
+weights are a buffer of their own (`LayerList`, `AnalysisOps`): each weight is then counted once, as
+it is read when XLA fuses the scan's per-layer slice into the matmul, instead of three times
+(slice read, slice written, slice read). The programs that run keep the rolled scan over stacked
+weights. The stacked KV cache is still sliced per layer, as the program does. Kernels: instructions of the
+program XLA compiles for this machine's backend (fusions, library calls, copies; not parameters,
+constants, tuples or bitcasts): a proxy for GPU/TPU launches, whose fusion choices differ.
+
+Parts: draft = expand + rerank (the draft passes, the candidate pool, the tree); verify = one target
+forward over the N tree tokens + the LM head; accept = greedy acceptance + KV compaction + output +
+draft catch-up; round = the whole round as the loop runs it (not the sum of the parts).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+ACCELERATORS = {  # peak HBM bytes/s and dense bf16 FLOP/s, from the vendors' data sheets
+    "h200": dict(name="NVIDIA H200", bytes_per_s=4.8e12, flops_per_s=989e12),
+    "h100": dict(name="NVIDIA H100 SXM", bytes_per_s=3.35e12, flops_per_s=989e12),
+    "a100": dict(name="NVIDIA A100 80GB", bytes_per_s=2.039e12, flops_per_s=312e12),
+    "tpu-v5e": dict(name="Google TPU v5e", bytes_per_s=0.819e12, flops_per_s=197e12),
+    "tpu-v6e": dict(name="Google TPU v6e", bytes_per_s=1.64e12, flops_per_s=918e12),
+}
+
+_SKIP = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
+         "replica-id", "opt-barrier"}
+_OP = re.compile(r"=\s*(?:\S+\s+)?([a-z][a-z0-9\-]*)\(")
+
+
+def count_kernels(hlo_text: str) -> int:
+    """Instructions of the ENTRY computation and of while / conditional bodies (each counted once)
+    that launch work: fusions, library calls, copies, collectives."""
+    comps, name, lines = {}, None, []
+    for line in hlo_text.splitlines():
+        s = line.strip()
+        if s.endswith("{") and ("(" in s) and not s.startswith("ROOT"):
+            name = "ENTRY" if s.startswith("ENTRY") else s.split()[0].lstrip("%")
+            lines = []
+        elif s == "}" and name is not None:
+            comps[name] = lines
+            name = None
+        elif name is not None and " = " in s:
+            lines.append(s)
+    wanted = {"ENTRY"}
+    for body in comps.get("ENTRY", []):
+        for key in ("body=", "condition=", "branch_computations={", "true_computation=", "false_computation="):
+            for m in re.finditer(re.escape(key) + r"%?([\w.\-]+)", body):
+                wanted.add(m.group(1))
+    total = 0
+    for c in wanted:
+        for s in comps.get(c, []):
+            m = _OP.search(s)
+            if m and m.group(1) not in _SKIP:
+                total += 1
+    return total
+
+
+def _layer_list_class():
+    import jax
+
+    @jax.tree_util.register_pytree_node_class
+    class LayerList:
+        """A stacked weight [L, ...] held as L separate buffers (analysis only)."""
+
+        def __init__(self, items):
+            self.items = list(items)
+
+        def tree_flatten(self):
+            return self.items, None
+
+        @classmethod
+        def tree_unflatten(cls, aux, items):
+            return cls(items)
+
+        @property
+        def shape(self):
+            return (len(self.items),) + tuple(self.items[0].shape)
+
+        @property
+        def dtype(self):
+            return self.items[0].dtype
+
+        def __getitem__(self, i):
+            return self.items[i]
+    return LayerList
+
+
+LayerList = _layer_list_class()
+
+
+def unstack_layers(params):
+    """params with every leaf under "layers" as a LayerList of per-layer abstract arrays."""
+    import jax
+    layers = jax.tree_util.tree_map(
+        lambda a: LayerList([jax.ShapeDtypeStruct(a.shape[1:], a.dtype)] * a.shape[0]), params["layers"])
+    return {**params, "layers": layers}
+
+
+def analysis_ops(base):
+    """`base` (an Ops) whose layer scan is a Python loop over LayerList weights (and static slices of
+    anything else stacked, e.g. the KV cache)."""
+    import jax
+    import jax.numpy as jnp
+
+    def scan_layers(self, body, carry, xs):
+        is_list = lambda a: isinstance(a, LayerList)  # noqa: E731
+        L = jax.tree_util.tree_leaves(xs, is_leaf=is_list)[0].shape[0]
+        ys = []
+        for i in range(L):
+            carry, y = body(carry, jax.tree_util.tree_map(lambda a: a[i], xs, is_leaf=is_list))
+            ys.append(y)
+        return carry, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)
+    cls = type("Analysis" + type(base).__name__, (type(base),), {"scan_layers": scan_layers})
+    return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+
+
+def _cost(lowered, kernels: bool) -> dict:
+    c = lowered.cost_analysis()
+    c = c[0] if isinstance(c, (list, tuple)) else c
+    row = {"bytes": float(c.get("bytes accessed", 0.0)), "flops": float(c.get("flops", 0.0))}
+    if kernels:
+        row["kernels"] = count_kernels(lowered.compile().as_text())
+    return row
+
+
+def roofline_s(cost: dict, acc: dict) -> float:
+    return max(cost["bytes"] / acc["bytes_per_s"], cost["flops"] / acc["flops_per_s"])
+
+
+def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: int = 1, prompt_len: int = 64,
+            max_new_tokens: int = 256, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
+            draft_vocab: int = 32000, tau: float = 4.5, accelerator: str = "h200", kernels: bool = True) -> dict:
+    """The report for one shape, batch and tree (see the module docstring)."""
+    import jax
+    import numpy as np
+    import eagle2_jax as e2
+    from eagle2_jax import eagle, vanilla
+    from eagle2_jax.config import SamplingConfig
+    from eagle2_jax.draft import with_draft_vocab
+    from eagle2_jax.sampling import SamplingParams
+    from infer.roundcost import _parts
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {accelerator!r}: one of {', '.join(ACCELERATORS)}")
+    target = e2.load_target(model, dtype=dtype, abstract=True)
+    draft = e2.init_draft(target)
+    V = target.config.vocab_size
+    if draft_vocab and draft_vocab < V:  # a frequency-ranked draft vocabulary (stand-in: the first ids)
+        draft = with_draft_vocab(draft, target, np.arange(draft_vocab))
+    tree = e2.TreeConfig(depth, top_k, total_tokens)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, V, prompt_len).tolist() for _ in range(batch)]
+    greedy = SamplingParams.of(SamplingConfig())
+    ops = analysis_ops(target.ops)
+    target = dataclasses.replace(target, ops=ops, params=unstack_layers(target.params))
+    draft = dataclasses.replace(draft, ops=ops)
+    tm, dm, tp, dp = target.module, draft.module, target.params, draft.params
+
+    _, args, static = vanilla._program_inputs(target, prompts, max_new_tokens, None, 0, SamplingConfig())
+    pst = vanilla.PREFILL._jit.lower(*args, **static).out_info
+    step = _cost(vanilla.STEP._jit.lower(tp, pst, greedy, module=tm), kernels)
+
+    b, args, static = eagle._program_inputs(target, draft, prompts, max_new_tokens, None, 0, SamplingConfig(), tree)
+    est = eagle.PREFILL._jit.lower(*args, **static).out_info
+    p_draft, p_verify, p_accept, p_round = _parts()
+    lo_draft = p_draft.lower(tp, dp, est, tm=tm, dm=dm, tree=tree)
+    t, dcache = lo_draft.out_info
+    lo_verify = p_verify.lower(tp, est, t, tm=tm)
+    feats, logits, tcache = lo_verify.out_info
+    parts = {"draft": _cost(lo_draft, kernels), "verify": _cost(lo_verify, kernels),
+             "accept": _cost(p_accept.lower(tp, dp, est, t, feats, logits, tcache, dcache, tm=tm, dm=dm, tree=tree),
+                             kernels)}
+    rnd = _cost(p_round.lower(tp, dp, est, tm=tm, dm=dm, tree=tree), kernels)
+    acc = ACCELERATORS[accelerator]
+    t_step, t_round = roofline_s(step, acc), roofline_s(rnd, acc)
+    meta = dict(model=model, dtype=dtype, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                cache_len=b.cache_len, tree=[depth, top_k, total_tokens], draft_vocab=int(min(draft_vocab or V, V)),
+                jax=jax.__version__, backend_for_kernels=jax.default_backend())
+    return {"step": step, "round": {**rnd, "parts": parts},
+            "roofline": {"accelerator": accelerator, "tau": tau, "speedup": tau * t_step / t_round,
+                         "step_ms": t_step * 1e3, "round_ms": t_round * 1e3},
+            "ratios": {"bytes": rnd["bytes"] / step["bytes"], "flops": rnd["flops"] / step["flops"],
+                       **({"kernels": rnd["kernels"] / step["kernels"]} if kernels else {})},
+            "meta": meta}
+
+
+def format_report(r: dict) -> str:
+    gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
+    tf = lambda x: f"{x / 1e12:.3f} TFLOP"  # noqa: E731
+    m, rf = r["meta"], r["roofline"]
+    lines = [f"{m['model']} {m['dtype']}, batch {m['batch']}, prompt {m['prompt_len']}, max_new {m['max_new_tokens']} "
+             f"(cache {m['cache_len']} slots), tree {'/'.join(map(str, m['tree']))}, draft vocabulary {m['draft_vocab']}",
+             "", "| program | bytes | FLOPs | kernels | bytes / step |", "|---|---|---|---|---|"]
+    step = r["step"]
+
+    def row(name, c):
+        return (f"| {name} | {gb(c['bytes'])} | {tf(c['flops'])} | {c.get('kernels', '-')} | "
+                f"{c['bytes'] / step['bytes']:.2f}x |")
+    lines.append(row("plain step", step))
+    for k, c in r["round"]["parts"].items():
+        lines.append(row(f"round: {k}", c))
+    lines.append(row("round", r["round"]))
+    ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
+    lines += ["", f"round / step: {ratios}",
+              f"roofline on {ACCELERATORS[rf['accelerator']]['name']}: step {rf['step_ms']:.2f} ms, round "
+              f"{rf['round_ms']:.2f} ms; at tau {rf['tau']}: speedup {rf['speedup']:.2f}x"]
+    return "\n".join(lines)
