@@ -21,8 +21,8 @@ import numpy as np
 
 from .cache import KVCache, init_cache, write
 from .config import ModelConfig
-from .layers import causal_mask, decoder_layer, dense, init_dense, init_layer, split_masks
-from .model import Target, module_param, resolve_dtype
+from .layers import causal_mask, decoder_layer, dense, init_dense, init_layer
+from .model import Target, cache_view, module_param, resolve_dtype
 from .ops import XLA, Ops
 
 
@@ -39,13 +39,13 @@ class EagleDraft(nn.Module):
         self.layer = module_param(self, "layers_0", lambda key: init_layer(key, c, dt, input_norm=False))
 
     def __call__(self, embeds_BTD, features_BTD, positions_BT, cache: KVCache, local_mask_BTU,
-                 offset: int = 0):
+                 offset: int = 0, fresh: bool = False):
         """Returns (hidden [B,T,D] predicting the next feature, cache with the new keys/values
-        written at length+offset; masks as in `Llama.__call__`)."""
+        written at length+offset; masks and `fresh` as in `Llama.__call__`)."""
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = dense(self.ops, self.fc, x)
-        masks = split_masks(cache.length, local_mask_BTU, offset, cache.max_len)
-        h, (k, v) = decoder_layer(self.ops, self.config, self.layer, x, positions_BT, cache.k[0], cache.v[0], masks)
+        k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
+        h, (k, v) = decoder_layer(self.ops, self.config, self.layer, x, positions_BT, k_read[0], v_read[0], masks)
         return h, write(cache, k[None], v[None], cache.length + offset)
 
 
@@ -114,9 +114,10 @@ def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, **c
     return Draft(config, shard_params(params, target.mesh), bias, dt, ops=target.ops)
 
 
-def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, local_mask, offset: int = 0):
+def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, local_mask, offset: int = 0,
+                fresh: bool = False):
     net = {k: v for k, v in params.items() if k != "vocab_head"}
-    return module.apply({"params": net}, embeds, features, positions, cache, local_mask, offset)
+    return module.apply({"params": net}, embeds, features, positions, cache, local_mask, offset, fresh)
 
 
 def with_draft_vocab(draft: Draft, target: Target, token_ids) -> Draft:

@@ -50,15 +50,17 @@ class EagleState:
     eos: jax.Array
 
 
-def draft_catch_up(tmodule, tparams, dmodule, dparams, dcache: KVCache, tokens_BC, features_BCD, n_B):
-    """Draft forward over C (token, preceding target feature) pairs; commits n_B of them.
+def draft_catch_up(tmodule, tparams, dmodule, dparams, dcache: KVCache, tokens_BC, features_BCD, n_B,
+                   fresh: bool = False):
+    """Draft forward over C (token, preceding target feature) pairs; commits n_B of them (`fresh`:
+    the draft cache is empty, as after the prompt's prefill).
 
     Returns (hidden at the last committed pair [B, D], new draft cache).
     """
     B, C = tokens_BC.shape
     emb = target_embed(tmodule, tparams, tokens_BC)
     pos = dcache.length[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
-    h, dcache = draft_apply(dmodule, dparams, emb, features_BCD, pos, dcache, causal_mask(B, C))
+    h, dcache = draft_apply(dmodule, dparams, emb, features_BCD, pos, dcache, causal_mask(B, C), fresh=fresh)
     last = jnp.take_along_axis(h, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)[:, 0]
     return last, advance(dcache, n_B)
 
@@ -75,7 +77,7 @@ def init_state(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, prompt_BP,
     dtok = jnp.where(j == (prompt_len_B - 1)[:, None], root[:, None], shifted)
     c = dmodule.config
     dcache = constrain_cache(init_cache(1, B, cache_len, c.num_key_value_heads, c.head_dim, dmodule.dtype), mesh)
-    hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, dtok, feats, prompt_len_B)
+    hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, dtok, feats, prompt_len_B, fresh=True)
     max_new_B = jnp.where(active_B, max_new, 0).astype(jnp.int32)
     out = jnp.zeros((B, out_len), jnp.int32)
     out, n_out, done, _ = emit(out, jnp.zeros((B,), jnp.int32), ~active_B, root[:, None],

@@ -26,6 +26,14 @@ from .ops import XLA, Ops
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def cache_view(cache: KVCache, local_mask_BTU, offset: int, fresh: bool):
+    """(keys, values, masks) a forward attends over: the whole cache, or with `fresh` (nothing
+    committed, nothing written yet) no slot at all (S = 0), so a prefill computes no scores over
+    empty slots."""
+    S = 0 if fresh else cache.max_len
+    return cache.k[..., :S, :], cache.v[..., :S, :], split_masks(cache.length, local_mask_BTU, offset, S)
+
+
 def resolve_dtype(dtype) -> Any:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -64,22 +72,23 @@ class Llama(nn.Module):
         tied = self.config.tie_word_embeddings
         return self.ops.lm_head(features_BTD, self.embed if tied else self.lm_head, tied)
 
-    def __call__(self, tokens_BT, positions_BT, cache: KVCache, local_mask_BTU, offset: int = 0):
+    def __call__(self, tokens_BT, positions_BT, cache: KVCache, local_mask_BTU, offset: int = 0,
+                 fresh: bool = False):
         """Forward over T new tokens written at cache slots length+offset .. +T-1.
 
         local_mask[b, t, u] lets token t see scratch slot length+u (itself included); committed
-        slots are always visible. Returns (features [B,T,D] after the final norm, cache with the
-        new keys/values written; its length is unchanged).
+        slots are always visible. With `fresh` (a prefill into an empty cache) attention reads no
+        cache slot at all, only the new tokens. Returns (features [B,T,D] after the final norm,
+        cache with the new keys/values written; its length is unchanged).
         """
         c, ops = self.config, self.ops
-        masks = split_masks(cache.length, local_mask_BTU, offset, cache.max_len)
+        k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
 
         def layer(x_BTD, xs):
             p, k_BKSD, v_BKSD = xs
             return decoder_layer(ops, c, p, x_BTD, positions_BT, k_BKSD, v_BKSD, masks)
 
-        x, (k_LBKTD, v_LBKTD) = ops.scan_layers(layer, self.embed_tokens(tokens_BT),
-                                                (self.layers, cache.k, cache.v))
+        x, (k_LBKTD, v_LBKTD) = ops.scan_layers(layer, self.embed_tokens(tokens_BT), (self.layers, k_read, v_read))
         cache = write(cache, k_LBKTD, v_LBKTD, cache.length + offset)
         return rms_norm(ops, self.norm, x, c.rms_norm_eps), cache
 
@@ -151,8 +160,9 @@ def init_target(config: ModelConfig, seed: int = 0, dtype="float32", mesh=None, 
     return Target(config, params, None, dt, mesh, ops=choose(params, dt, mesh))
 
 
-def target_apply(module: Llama, params, tokens_BT, positions_BT, cache, local_mask_BTU, offset: int = 0):
-    return module.apply({"params": params}, tokens_BT, positions_BT, cache, local_mask_BTU, offset)
+def target_apply(module: Llama, params, tokens_BT, positions_BT, cache, local_mask_BTU, offset: int = 0,
+                 fresh: bool = False):
+    return module.apply({"params": params}, tokens_BT, positions_BT, cache, local_mask_BTU, offset, fresh)
 
 
 def target_logits(module: Llama, params, features):
@@ -176,7 +186,7 @@ def _forward(module, params, ids):
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     c = module.config
     cache = init_cache(c.num_hidden_layers, B, T, c.num_key_value_heads, c.head_dim, module.dtype)
-    f, _ = target_apply(module, params, ids, pos, cache, causal_mask(B, T))
+    f, _ = target_apply(module, params, ids, pos, cache, causal_mask(B, T), fresh=True)
     return target_logits(module, params, f)
 
 

@@ -42,7 +42,7 @@ def prefill(module: Llama, params, prompt_BP, prompt_len_B, cache_len: int, mesh
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     cache = init_cache(c.num_hidden_layers, B, cache_len, c.num_key_value_heads, c.head_dim, module.dtype)
     cache = constrain_cache(cache, mesh)
-    feats, cache = target_apply(module, params, prompt_BP, pos, cache, causal_mask(B, P))
+    feats, cache = target_apply(module, params, prompt_BP, pos, cache, causal_mask(B, P), fresh=True)
     cache = advance(cache, prompt_len_B)
     last = jnp.take_along_axis(feats, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
     return feats, cache, target_logits(module, params, last)

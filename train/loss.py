@@ -21,7 +21,7 @@ def target_features(tmodule, tparams, ids_BT):
     c = tmodule.config
     cache = init_cache(c.num_hidden_layers, B, T, c.num_key_value_heads, c.head_dim, tmodule.dtype)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    f, _ = target_apply(tmodule, tparams, ids_BT, pos, cache, causal_mask(B, T))
+    f, _ = target_apply(tmodule, tparams, ids_BT, pos, cache, causal_mask(B, T), fresh=True)
     return jax.lax.stop_gradient(f)
 
 
