@@ -205,7 +205,7 @@ def _read_safetensors(directory: str) -> dict[str, Callable[[], np.ndarray]]:
     return out
 
 
-def load_hf_dir(directory: str, dtype="float32", mesh=None, tokenizer: bool = True) -> Target:
+def load_hf_dir(directory: str, dtype="auto", mesh=None, tokenizer: bool = True) -> Target:
     cfg_path = os.path.join(directory, "config.json")
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"no config.json in {directory}")
@@ -284,7 +284,7 @@ def register_gguf_packer(packer) -> None:
         GGUF_PACKERS.append(packer)
 
 
-def load_gguf(path: str, dtype="float32", mesh=None, tokenizer: bool = True, packed: bool | None = None) -> Target:
+def load_gguf(path: str, dtype="auto", mesh=None, tokenizer: bool = True, packed: bool | None = None) -> Target:
     """A target from a GGUF file. packed=None lets a registered backend keep the file's blocks
     (eagle2_jax.cpu: Q4_1 / Q8_0 on one CPU device, read by its kernels, bit-for-bit the float32
     model's results from a sixth of the memory traffic, plus a float32 copy for calls over many
@@ -400,11 +400,12 @@ def resolve_source(source: str) -> str:
                           f"{', '.join(sorted(NAMED_TARGETS))}")
 
 
-def load_target(source: str, dtype="float32", mesh=None, tokenizer: bool = True,
+def load_target(source: str, dtype="auto", mesh=None, tokenizer: bool = True,
                 packed: bool | None = None, abstract: bool = False) -> Target:
     """Load a target from a named model, a Hugging Face directory or a .gguf file (`packed`: see
     load_gguf; Hugging Face directories are never packed), or random weights of a published shape
-    (`random:llama-3.1-8b`, see RANDOM_SHAPES; no tokenizer), for timing.
+    (`random:llama-3.1-8b`, see RANDOM_SHAPES; no tokenizer), for timing. dtype "auto": float32 on
+    CPU, bfloat16 on GPU/TPU (eagle2_jax.defaults).
 
     With `abstract` (random shapes and config.json files only), params are jax.ShapeDtypeStruct
     leaves: nothing is allocated, and `generate(..., compile_only=True)` compiles for it."""

@@ -25,6 +25,7 @@ from .sharding import shard_params
 
 OURS_META = "eagle2_jax_draft.json"
 VOCAB_FILE = "draft_vocab.json"  # optional: token ids the draft ranks (frequent-token subset)
+RANDOM_DRAFT_VOCAB = 32000  # draft vocabulary of load_draft("random") for large target vocabularies
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
 NAMED_DRAFTS = {"smollm2-135m-instruct": os.path.join(HEADS_DIR, "smollm2-135m-instruct")}
 
@@ -109,11 +110,17 @@ def load_draft(source: str, target: Target, dtype: Optional[str] = None, draft_v
     """Load a draft head for `target`: a named head, an EAGLE-format directory, or ours.
 
     A `draft_vocab.json` beside the weights (and `draft_vocab=True`) restricts drafting to those tokens.
-    `random` (or any `random:...` name) gives a randomly initialised head fitting `target`, for timing.
+    `random` (or any `random:...` name) gives a randomly initialised head fitting `target`, for timing;
+    for a vocabulary over RANDOM_DRAFT_VOCAB tokens (Llama 3's 128,256) it drafts over that many ids
+    (a stand-in for a trained head's frequency-ranked draft vocabulary: each draft pass then reads a
+    quarter of the LM head), unless `draft_vocab=False`.
     """
     if str(source) == "random" or str(source).startswith("random:"):
-        from .draft import init_draft
-        return init_draft(target, dtype=dtype)
+        from .draft import init_draft, with_draft_vocab
+        d = init_draft(target, dtype=dtype)
+        if draft_vocab and target.config.vocab_size > RANDOM_DRAFT_VOCAB:
+            d = with_draft_vocab(d, target, np.arange(RANDOM_DRAFT_VOCAB))
+        return d
     d = _load_draft(source, target, dtype)
     vocab = os.path.join(d.source, VOCAB_FILE)
     if draft_vocab and os.path.exists(vocab):

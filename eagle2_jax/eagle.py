@@ -160,8 +160,8 @@ def _program_inputs(target: Target, draft: Draft, prompts, max_new_tokens, eos_t
                       max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree),
                       batch_multiple=batch_multiple(target.mesh))
     prompt, plen, active = _device_inputs(target, b)
-    args = (target.params, draft.params, prompt, plen, active, jnp.int32(max_new_tokens),
-            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed), SamplingParams.of(sampling))
+    args = (target.params, draft.params, prompt, plen, active, np.int32(max_new_tokens),  # numpy: replicated
+            np.int32(eos_value(eos_token_id)), np.uint32(seed), SamplingParams.of(sampling))
     static = dict(tmodule=target.module, dmodule=draft.module, cache_len=b.cache_len,
                   out_len=b.cache_len, tree=tree, mesh=target.mesh)  # cache_len >= max_new + max_accept
     return b, args, static
@@ -182,18 +182,28 @@ def _is_abstract(params) -> bool:
 
 def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None, seed: int = 0,
-             tree: TreeConfig = TreeConfig(), stream: Optional[Callable[[int, list], None]] = None,
+             tree=None, stream: Optional[Callable[[int, list], None]] = None,
              timings: Optional[dict] = None, compile_only: bool = False) -> Optional[GenerateOutput]:
     """EAGLE-2 speculative decoding of token-id prompts; lossless with respect to the target.
 
-    Returns `.tokens` (new tokens per prompt, EOS kept) and `.accept_lengths` (tokens added per
-    round, bonus included; tau is their mean). With `stream`, rounds are stepped from the host.
+    `tree`: a TreeConfig; None: the head's tree for this platform, else the reference tree
+    (eagle2_jax.defaults, as the command line); "auto": the tree size timed on this machine
+    (eagle2_jax.autotune, as `--total-tokens auto`). Returns `.tokens` (new tokens per prompt, EOS
+    kept) and `.accept_lengths` (tokens added per round, bonus included; tau is their mean). With `stream`, rounds are stepped from the host.
     With `timings` (a dict), records compile_s and run_s. With `compile_only`, compiles the prefill
     and decode programs these prompts and settings need (cached for later calls), runs nothing and
     returns None; it also works for abstract params (load_target(..., abstract=True)).
     """
+    if tree is None:
+        from .defaults import default_tree
+        tree = default_tree(draft)
+    elif isinstance(tree, str) and tree == "auto":
+        from .autotune import choose_tree
+        from .defaults import default_tree
+        base = default_tree(draft)
+        tree = choose_tree(target, draft, prompts, depth=base.depth, top_k=base.top_k).tree
     if not isinstance(tree, TreeConfig):
-        raise ValueError(f"tree must be a TreeConfig, got {type(tree).__name__}")
+        raise ValueError(f"tree must be a TreeConfig, 'auto' or None, got {tree!r}")
     check_compatible(draft.config, target.config)
     sampling = SamplingConfig(temperature, top_k, top_p)
     if tree.top_k > target.config.vocab_size:
@@ -207,7 +217,8 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     if compile_only:
         return None
     out, n_out, acc, rounds = st.out_BM, st.n_out_B, st.accept_BR, st.rounds_B
-    out, n_out, acc, rounds = map(np.asarray, (out, n_out, acc, rounds))
+    from .sharding import to_host
+    out, n_out, acc, rounds = map(to_host, (out, n_out, acc, rounds))
     rows = range(b.num_rows)
     return GenerateOutput(tokens=[out[r, :n_out[r]].tolist() for r in rows],
                           accept_lengths=[acc[r, :rounds[r]].tolist() for r in rows],

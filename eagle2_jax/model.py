@@ -35,9 +35,13 @@ def cache_view(cache: KVCache, local_mask_BTU, offset: int, fresh: bool):
 
 
 def resolve_dtype(dtype) -> Any:
+    """A dtype from a name; None or "auto": the backend's default (eagle2_jax.defaults)."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        from .defaults import default_dtype
+        dtype = default_dtype()
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be one of {sorted(DTYPES) + ['auto']}, got {dtype!r}")
         return DTYPES[dtype]
     return dtype
 
@@ -144,7 +148,7 @@ def _init_params(module: Llama, key):
     return module.init(key, jnp.zeros((1, 2), jnp.int32), method=Llama.init_all)["params"]
 
 
-def init_target(config: ModelConfig, seed: int = 0, dtype="float32", mesh=None, abstract: bool = False) -> Target:
+def init_target(config: ModelConfig, seed: int = 0, dtype="auto", mesh=None, abstract: bool = False) -> Target:
     """A randomly initialised target (for tests and timing). With `abstract`, params are
     jax.ShapeDtypeStruct leaves (sharded like real ones): nothing is allocated, for compiling only."""
     from .ops import choose

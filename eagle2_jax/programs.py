@@ -114,9 +114,6 @@ def run(prefill: Program, loop: Program, step: Program, args: tuple, static: dic
         seen = [0] * rows
         exe, exe_state_key = None, None
         while True:
-            _report(out.out_BM, out.n_out_B, seen, stream)
-            if bool(jnp.all(out.done_B)):
-                break
             # step_args (the weights) are the same objects every round, so the executable is looked up
             # again only when the state's shapes or placement change (in practice once, after prefill):
             # keying every weight leaf each round cost host time per round
@@ -124,7 +121,14 @@ def run(prefill: Program, loop: Program, step: Program, args: tuple, static: dic
             if state_key != exe_state_key:
                 exe = step.compile(*step_args, out, sampling, timings=timings, **step_static)
                 exe_state_key = state_key
+            # dispatch the next round before reading this one's tokens: the device computes while the
+            # host streams (the step consumes its input state, so the outputs are copied first; once
+            # every row is done the round already dispatched changes nothing)
+            snap = jax.tree_util.tree_map(jnp.copy, (out.out_BM, out.n_out_B, out.done_B))
             out = exe(*step_args, out, sampling)
+            _report(snap[0], snap[1], seen, stream)
+            if bool(np.all(np.asarray(snap[2]))):
+                break
     if timings is not None:
         total = time.perf_counter() - t0
         timings["run_s"] = total - (timings.get("compile_s", 0.0) - compile_before)

@@ -12,6 +12,7 @@ from typing import Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .config import SamplingConfig
@@ -29,8 +30,8 @@ class SamplingParams:
     def of(cls, s: Union[SamplingConfig, "SamplingParams"]) -> "SamplingParams":
         if isinstance(s, SamplingParams):
             return s
-        return cls(jnp.float32(s.temperature if not s.greedy else 1.0), jnp.int32(s.top_k),
-                   jnp.float32(s.top_p), s.greedy)
+        return cls(np.float32(s.temperature if not s.greedy else 1.0), np.int32(s.top_k),  # numpy: replicated
+                   np.float32(s.top_p), s.greedy)
 
 
 def process_logits(logits_NV: jax.Array, s) -> jax.Array:

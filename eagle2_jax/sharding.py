@@ -102,10 +102,27 @@ def param_shardings(params, mesh: Mesh, rules=PARAM_RULES):
         lambda p, x: NamedSharding(mesh, param_spec(_path_str(p), x.shape, mesh, rules)), params)
 
 
+def put_global(x, sharding):
+    """An array placed with `sharding`. Across processes (jax.distributed; a mesh with devices of other
+    hosts) every process passes the same full value and keeps the shards its devices hold."""
+    if jax.process_count() == 1 or sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def to_host(x) -> np.ndarray:
+    """The whole value of an array on the host, gathered from every process when it spans several."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def shard_params(params, mesh: Optional[Mesh], rules=PARAM_RULES):
     if mesh is None:
         return params
-    return jax.device_put(params, param_shardings(params, mesh, rules))
+    return jax.tree_util.tree_map(put_global, params, param_shardings(params, mesh, rules))
 
 
 def constrain(x, mesh: Optional[Mesh], logical: Sequence):

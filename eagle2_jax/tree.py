@@ -114,11 +114,15 @@ def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:
     pnode = jnp.where(ppool < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(ppool, 0), axis=1))
     tokens = jnp.concatenate([root_B[:, None].astype(jnp.int32), toks], axis=1)
     parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), pnode], axis=1)
+    # ancestor closure by doubling: A = I | parent-of; after k squarings A covers paths of up to 2^k
+    # edges, and the tree is at most passes + 1 edges deep (a few small matmuls, not one gather per level)
     eye = jnp.eye(N, dtype=bool)
-    anc = jnp.broadcast_to(eye, (B, N, N))
-    gather_parent = jnp.maximum(parents, 0)
-    for _ in range(tree.passes + 1):  # the tree is at most passes+1 levels deep
-        up = _take_rows(anc, gather_parent) & (parents >= 0)[:, :, None]
-        anc = eye[None] | up
+    parent_of = (parents[:, :, None] == jnp.arange(N)[None, None, :]) & (parents >= 0)[:, :, None]
+    anc = eye[None] | parent_of
+    reach = 1
+    while reach < tree.passes + 1:
+        hop = jnp.einsum("bij,bjk->bik", anc.astype(jnp.float32), anc.astype(jnp.float32))
+        anc = anc | (hop > 0)
+        reach *= 2
     depths = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
     return Tree(tokens, parents, anc, depths)

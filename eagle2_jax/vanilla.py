@@ -6,6 +6,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .batching import GenerateOutput, eos_value, prepare_batch
@@ -102,19 +103,20 @@ def _prepare(target: Target, prompts, max_new_tokens, slack: int):
 def _device_inputs(target: Target, b):
     import numpy as np
     active = np.arange(b.prompt_BP.shape[0]) < b.num_rows
-    arrays = (jnp.asarray(b.prompt_BP), jnp.asarray(b.prompt_len_B), jnp.asarray(active))
-    if target.mesh is not None:
-        arrays = tuple(jax.device_put(a, jax.sharding.NamedSharding(
-            target.mesh, jax.sharding.PartitionSpec("data"))) for a in arrays)
-    return arrays
+    arrays = (b.prompt_BP, b.prompt_len_B, active)
+    if target.mesh is None:
+        return tuple(map(jnp.asarray, arrays))
+    from .sharding import put_global
+    rows = jax.sharding.NamedSharding(target.mesh, jax.sharding.PartitionSpec("data"))
+    return tuple(put_global(a, rows) for a in arrays)
 
 
 def _program_inputs(target: Target, prompts, max_new_tokens, eos_token_id, seed, sampling):
     """The padded batch, the dynamic arguments and the static settings of PREFILL (LOOP takes its state)."""
     b = _prepare(target, prompts, max_new_tokens, slack=1)
     prompt, plen, active = _device_inputs(target, b)
-    args = (target.params, prompt, plen, active, jnp.int32(max_new_tokens),
-            jnp.int32(eos_value(eos_token_id)), jnp.uint32(seed), SamplingParams.of(sampling))
+    args = (target.params, prompt, plen, active, np.int32(max_new_tokens),  # numpy scalars: replicated
+            np.int32(eos_value(eos_token_id)), np.uint32(seed), SamplingParams.of(sampling))
     static = dict(module=target.module, cache_len=b.cache_len, out_len=b.cache_len, mesh=target.mesh)
     return b, args, static
 
@@ -148,6 +150,6 @@ def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperatur
 
 
 def _collect(out, n_out, rows):
-    import numpy as np
-    out, n_out = np.asarray(out), np.asarray(n_out)
+    from .sharding import to_host
+    out, n_out = to_host(out), to_host(n_out)
     return GenerateOutput(tokens=[out[r, :n_out[r]].tolist() for r in range(rows)])

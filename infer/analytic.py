@@ -195,8 +195,8 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
 
 
 def format_report(r: dict) -> str:
-    gb = lambda x: f"{x / 1e9:.2f} GB"  # noqa: E731
-    tf = lambda x: f"{x / 1e12:.3f} TFLOP"  # noqa: E731
+    gb = lambda x: f"{x / 1e9:.2f} GB" if x >= 1e8 else f"{x / 1e6:.2f} MB"  # noqa: E731
+    tf = lambda x: f"{x / 1e12:.3f} TFLOP" if x >= 1e10 else f"{x / 1e9:.3f} GFLOP"  # noqa: E731
     m, rf = r["meta"], r["roofline"]
     lines = [f"{m['model']} {m['dtype']}, batch {m['batch']}, prompt {m['prompt_len']}, max_new {m['max_new_tokens']} "
              f"(cache {m['cache_len']} slots), tree {'/'.join(map(str, m['tree']))}, draft vocabulary {m['draft_vocab']}",
@@ -212,6 +212,6 @@ def format_report(r: dict) -> str:
     lines.append(row("round", r["round"]))
     ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
     lines += ["", f"round / step: {ratios}",
-              f"roofline on {ACCELERATORS[rf['accelerator']]['name']}: step {rf['step_ms']:.2f} ms, round "
-              f"{rf['round_ms']:.2f} ms; at tau {rf['tau']}: speedup {rf['speedup']:.2f}x"]
+              f"roofline on {ACCELERATORS[rf['accelerator']]['name']}: step {rf['step_ms']:.3f} ms, round "
+              f"{rf['round_ms']:.3f} ms; at tau {rf['tau']}: speedup {rf['speedup']:.2f}x"]
     return "\n".join(lines)

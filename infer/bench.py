@@ -42,7 +42,8 @@ def parse(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (first turns only when > 1)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="auto: float32 on CPU, bfloat16 on GPU/TPU")
     ap.add_argument("--no-packed", dest="packed", action="store_false",
                     help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
                          "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
@@ -95,7 +96,9 @@ class HF:
         torch.set_num_threads(os.cpu_count() or 1)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU where there is one, as ours
         path = resolve_source(args.model)
-        kw = dict(dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16)
+        from eagle2_jax.defaults import default_dtype
+        kw = dict(dtype=torch.float32 if (default_dtype() if args.dtype == "auto" else args.dtype) == "float32"
+                  else torch.bfloat16)
         if path.endswith(".gguf"):
             self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), **kw)
         else:

@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--total-tokens", default=None,
                     help="EAGLE-2 tokens verified per round, root included (default from the head, else 60); "
                          "'auto' times rounds on this machine and picks the size with the best expected tokens/s")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="parameter dtype")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="parameter and cache dtype; auto: float32 on CPU, bfloat16 on GPU/TPU")
     ap.add_argument("--no-packed", dest="packed", action="store_false",
                     help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
                          "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
@@ -57,16 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def tree_for(args, draft, target=None, prompts=None):
-    """The tree: flags over the head's tree.json over the reference defaults; total_tokens 'auto' is tuned."""
-    import json
+def jnp_name(dtype) -> str:
+    import numpy as np
+    return np.dtype(dtype).name
 
+
+def tree_for(args, draft, target=None, prompts=None):
+    """The tree: flags over the head's tree.json for this platform over the reference tree
+    (eagle2_jax.defaults, as the library's generate); total_tokens 'auto' is tuned."""
     from eagle2_jax import TreeConfig
-    d = {}
-    meta = os.path.join(getattr(draft, "source", "") or "", "tree.json")
-    if os.path.exists(meta):
-        with open(meta) as f:
-            d = {k: v for k, v in json.load(f).items() if k in ("depth", "top_k", "total_tokens")}
+    from eagle2_jax.defaults import head_tree
+    d = head_tree(getattr(draft, "source", None))
     for k in ("depth", "top_k", "total_tokens"):
         v = getattr(args, k)
         if v is not None:
@@ -134,7 +136,7 @@ def main(argv=None):
 
     mode = "EAGLE-2" if draft is not None else "plain"
     print(f"[{mode}] {args.model}" + (f" + draft {draft.source} {tree}" if draft else "") +
-          f" ({target.num_params / 1e6:.0f}M params, {args.dtype}, loaded in {load_s:.1f}s)", file=sys.stderr)
+          f" ({target.num_params / 1e6:.0f}M params, {jnp_name(target.dtype)}, loaded in {load_s:.1f}s)", file=sys.stderr)
     timings = {}
     try:
         if draft is not None:

@@ -51,7 +51,8 @@ def parse(argv=None):
                          "quantity, so small batches borrow more prompts for it")
     ap.add_argument("--max-new-tokens", type=int, default=256,
                     help="size the caches for generations of this length (attention reads the whole padded cache)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="auto: float32 on CPU, bfloat16 on GPU/TPU")
     ap.add_argument("--no-packed", dest="packed", action="store_false",
                     help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
                          "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
@@ -81,7 +82,7 @@ def analytic_main(args):
         for n in [int(x) for x in args.total_tokens.split(",")]:
             model = "random:smollm2-135m" if args.model == "smollm2-135m-instruct" else args.model  # shapes only
             r = analyze(model,
-                        args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
+                        "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
                         args.draft_vocab, args.tau, args.accelerator, args.kernels)
             print(format_report(r) + "\n", flush=True)
             reports.append(r)
