@@ -109,11 +109,15 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_ne
         m = jnp.broadcast_to(m_BTX[:, None], (B, G) + m_BTX.shape[1:]).reshape(B, G * T, -1)
         return m.transpose(0, 2, 1)[:, None]
     qc = q.astype(k_BKSD.dtype)  # the query takes the cache's dtype, never the other way round
-    scores = jnp.concatenate([jnp.where(cols(mask_BTS), dot("bksd,bkmd->bksm", k_BKSD, qc), NEG_INF),
-                              jnp.where(cols(mask_new_BTT), dot("bkud,bkmd->bkum", k_new_BKTD, qc), NEG_INF)],
-                             axis=2)
-    probs = jax.nn.softmax(scores, axis=2)
-    out = dot("bksm,bksd->bkmd", probs[:, :, :S], v_BKSD) + dot("bkum,bkud->bkmd", probs[:, :, S:], v_new_BKTD)
+    # one float32 softmax over cache slots and new keys together, kept as two blocks (no concatenated
+    # [slots, M] copy) and normalised after the value products ([M, Dh], not [slots, M])
+    s_cache = jnp.where(cols(mask_BTS), dot("bksd,bkmd->bksm", k_BKSD, qc), NEG_INF)
+    s_new = jnp.where(cols(mask_new_BTT), dot("bkud,bkmd->bkum", k_new_BKTD, qc), NEG_INF)
+    top = jnp.maximum(jnp.max(s_cache, axis=2, initial=NEG_INF), jnp.max(s_new, axis=2))[:, :, None]  # [B, K, 1, M]
+    p_cache, p_new = jnp.exp(s_cache - top), jnp.exp(s_new - top)
+    total = jnp.sum(p_cache, axis=2) + jnp.sum(p_new, axis=2)  # [B, K, M]
+    out = dot("bksm,bksd->bkmd", p_cache, v_BKSD) + dot("bkum,bkud->bkmd", p_new, v_new_BKTD)
+    out = out / total[..., None]
     return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
 
 

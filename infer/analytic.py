@@ -14,7 +14,9 @@ it is read when XLA fuses the scan's per-layer slice into the matmul, instead of
 (slice read, slice written, slice read). The programs that run keep the rolled scan over stacked
 weights. The stacked KV cache is still sliced per layer, as the program does. Kernels: instructions of the
 program XLA compiles for this machine's backend (fusions, library calls, copies; not parameters,
-constants, tuples or bitcasts): a proxy for GPU/TPU launches, whose fusion choices differ.
+constants, tuples or bitcasts): a proxy for GPU/TPU launches, whose fusion choices differ. (The
+compiled program's own cost analysis is not reported: XLA:CPU widens bf16 weights to float32 before
+its dots, so its bytes say nothing about an accelerator.)
 
 Parts: draft = expand + rerank (the draft passes, the candidate pool, the tree); verify = one target
 forward over the N tree tokens + the LM head; accept = greedy acceptance + KV compaction + output +
