@@ -111,8 +111,8 @@ GGUF_TABLE: Table = (
 
 def convert(tensors: dict[str, Callable[[], np.ndarray]], table: Table, config: ModelConfig,
             dtype, ignore: tuple = (r"rotary_emb\.inv_freq",), stack: bool = True) -> dict:
-    """Map source tensors (name -> loader) to our nested param dict using `table`; the target's
-    per-layer tensors end up stacked (see `stack_layers`)."""
+    """Map source tensors (name -> loader) to our nested param dict of numpy arrays using `table`;
+    the target's per-layer tensors end up stacked (see `stack_layers`)."""
     flat = {}
     for name, load in tensors.items():
         for pattern, template, fn in table:
@@ -124,7 +124,7 @@ def convert(tensors: dict[str, Callable[[], np.ndarray]], table: Table, config: 
         else:
             if not any(re.search(p, name) for p in ignore):
                 raise CheckpointError(f"unexpected tensor {name!r} in checkpoint")
-    return unflatten({k: jnp.asarray(v) for k, v in (stack_layers(flat) if stack else flat).items()})
+    return unflatten(stack_layers(flat) if stack else flat)  # numpy: shard_params places them
 
 
 def stack_layers(flat: dict) -> dict:
@@ -313,8 +313,9 @@ def load_gguf(path: str, dtype="auto", mesh=None, tokenizer: bool = True, packed
         params = next((p for p in (packer(reader, config, dt, mesh, path, loader) for packer in GGUF_PACKERS)
                        if p is not None), None)
     if packed and params is None:
-        raise CheckpointError(f"cannot keep {path} packed: that needs float32 on one CPU device with the "
-                              "CPU kernels, Q4_1 layer matrices and a tied Q8_0 embedding")
+        raise CheckpointError(f"cannot keep {path} packed: no registered backend takes this file and setting "
+                              "(the CPU backend needs float32 on one CPU device, Q4_1 layer matrices and a tied "
+                              "Q8_0 embedding)")
     if params is None:
         params = convert({t.name: loader(t) for t in reader.tensors}, GGUF_TABLE, config, dt,
                          ignore=(r"rope_freqs",))
@@ -441,7 +442,8 @@ def save_hf_dir(target: Target, directory: str) -> str:
     from safetensors.numpy import save_file
     c = target.config
     if isinstance(target.params.get("embed"), dict):
-        raise CheckpointError("this target was loaded packed: load it with packed=False to save it")
+        raise CheckpointError("this target keeps its weights in a backend's own form (GGUF blocks): "
+                              "load it with packed=False to save it")
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), target.params)
     sd = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["norm"]["scale"]}
     if not c.tie_word_embeddings:

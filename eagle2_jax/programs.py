@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .sharding import to_host
+
 
 _ALL: list = []
 
@@ -127,7 +129,7 @@ def run(prefill: Program, loop: Program, step: Program, args: tuple, static: dic
             snap = jax.tree_util.tree_map(jnp.copy, (out.out_BM, out.n_out_B, out.done_B))
             out = exe(*step_args, out, sampling)
             _report(snap[0], snap[1], seen, stream)
-            if bool(np.all(np.asarray(snap[2]))):
+            if bool(np.all(to_host(snap[2]))):
                 break
     if timings is not None:
         total = time.perf_counter() - t0
@@ -136,10 +138,10 @@ def run(prefill: Program, loop: Program, step: Program, args: tuple, static: dic
 
 
 def _report(out, n_out, seen, stream):
-    n = np.asarray(n_out)
+    n = to_host(n_out)
     o = None
     for r in range(len(seen)):
         if n[r] > seen[r]:
-            o = np.asarray(out) if o is None else o
+            o = to_host(out) if o is None else o
             stream(r, o[r, seen[r]:n[r]].tolist())
             seen[r] = int(n[r])

@@ -34,17 +34,26 @@ class SamplingParams:
                    np.float32(s.top_p), s.greedy)
 
 
+TOP_K_CAP = 256  # top-k up to this reads its k-th value from lax.top_k; larger k (or top-p) sorts
+
+
 def process_logits(logits_NV: jax.Array, s) -> jax.Array:
     """float32 logits / temperature with the entries top-k and top-p filter out set to NEG_INF
-    (temperature > 0 only). One descending sort serves both filters; it is skipped (lax.cond)
-    when neither is on."""
+    (temperature > 0 only). Top-k alone (k <= TOP_K_CAP) takes lax.top_k over TOP_K_CAP entries;
+    top-p (or a larger k) one descending sort that serves both; neither: nothing (lax.cond picks at
+    run time: the values are traced)."""
     s = SamplingParams.of(s)
     x = logits_NV.astype(jnp.float32) / s.temperature
     V = x.shape[-1]
+    cap = min(V, TOP_K_CAP)
+    k = jnp.where((s.top_k > 0) & (s.top_k < V), s.top_k, V)
 
-    def filtered(x):
+    def top_k_only(x):
+        kth = jax.lax.dynamic_slice_in_dim(jax.lax.top_k(x, cap)[0], k - 1, 1, axis=-1)
+        return jnp.where(x < kth, NEG_INF, x)
+
+    def sorted_filters(x):
         desc = -jnp.sort(-x, axis=-1)
-        k = jnp.where((s.top_k > 0) & (s.top_k < V), s.top_k, V)
         kth = jax.lax.dynamic_slice_in_dim(desc, k - 1, 1, axis=-1)
         x = jnp.where(x < kth, NEG_INF, x)
         desc = jnp.where(desc < kth, NEG_INF, desc)  # the sorted top-k-filtered logits
@@ -53,7 +62,9 @@ def process_logits(logits_NV: jax.Array, s) -> jax.Array:
         keep = (exclusive < s.top_p) | (s.top_p >= 1.0)  # always keeps the most likely token
         cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
         return jnp.where(x < cutoff, NEG_INF, x)
-    return jax.lax.cond(((s.top_k > 0) & (s.top_k < V)) | (s.top_p < 1.0), filtered, lambda x: x, x)
+
+    branch = jnp.where(s.top_p < 1.0, 2, jnp.where(k < V, jnp.where(k <= cap, 1, 2), 0))
+    return jax.lax.switch(branch, (lambda x: x, top_k_only, sorted_filters), x)
 
 
 def target_probs(logits_NV: jax.Array, s) -> jax.Array:

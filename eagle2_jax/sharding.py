@@ -12,6 +12,7 @@ import re
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -120,8 +121,10 @@ def to_host(x) -> np.ndarray:
 
 
 def shard_params(params, mesh: Optional[Mesh], rules=PARAM_RULES):
+    """Params (numpy or jax leaves) on the mesh by the rules; without a mesh, on the default device.
+    Loaders keep numpy until here, so a stacked tensor goes to its shards without a stop on one device."""
     if mesh is None:
-        return params
+        return jax.tree_util.tree_map(jnp.asarray, params)
     return jax.tree_util.tree_map(put_global, params, param_shardings(params, mesh, rules))
 
 

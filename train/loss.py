@@ -13,7 +13,6 @@ from eagle2_jax.cache import init_cache
 from eagle2_jax.draft import draft_apply
 from eagle2_jax.layers import causal_mask
 from eagle2_jax.model import target_apply, target_embed, target_logits
-from eagle2_jax.cpu.packed import dequantize  # a GGUF-packed embedding (CPU backend)
 
 
 def target_features(tmodule, tparams, ids_BT):
@@ -32,7 +31,8 @@ def smooth_l1(x, y):
 
 def vocab_head(tmodule, tparams, ids_V):
     """The target's LM head restricted to the token ids `ids_V`: [D, V'] (frozen)."""
-    head = dequantize(tparams["embed"]).T if tmodule.config.tie_word_embeddings else tparams["lm_head"]
+    # the LM head as a matrix (ops.weight: a backend's own form, e.g. GGUF blocks, as an array)
+    head = tmodule.ops.weight(tparams["embed"]).T if tmodule.config.tie_word_embeddings else tparams["lm_head"]
     return jax.lax.stop_gradient(jnp.take(head, ids_V, axis=1))
 
 

@@ -527,7 +527,7 @@ ffi::Error Q8MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 // ---------------------------------------------------------------------------
-// Attention of a few new tokens over a KV cache (eagle2_jax.layers.attend).
+// Attention of a few new tokens over a KV cache (eagle2_jax.cpu.ops.CpuOps.attend).
 //
 //   q    [B, K, M, Dh]  M = G * T query rows per KV head, row m = g * T + t
 //   kc/vc [B, K, S, Dh] the cache as it was; mask [B, T, S]
@@ -681,5 +681,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(eagle2_q8_matmul_nt, Q8MatmulNT,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// The vector width this build packs Q4 columns by (eagle2_jax.packed).
+// The vector width this build packs Q4 columns by (eagle2_jax.cpu.packed).
 extern "C" int eagle2_lanes() { return kLanes; }

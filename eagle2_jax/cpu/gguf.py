@@ -80,7 +80,8 @@ def _packed_params(reader, config: ModelConfig, path: str, rest_loader) -> dict:
             raise CheckpointError(f"GGUF {path}: {name} is missing for some layers")
         flat[f"layers/{name}/kernel"] = {k: np.stack([layers[i][k] for i in range(L)]) for k in layers[0]}
     flat = {k: {n: jnp.asarray(a) for n, a in v.items()} for k, v in flat.items()}
-    params = unflatten(flat, into=convert(rest, GGUF_TABLE, config, jnp.float32, ignore=(r"rope_freqs",)))
+    rest = jax.tree_util.tree_map(jnp.asarray, convert(rest, GGUF_TABLE, config, jnp.float32, ignore=(r"rope_freqs",)))
+    params = unflatten(flat, into=rest)
     _check_packed(params, expected, f"GGUF {path}")
     return params
 

@@ -63,6 +63,8 @@ class CpuOps(core_ops.Ops):
     attention: bool = True  # the attention kernel for float32 caches
 
     def weight(self, w):
+        if packed.is_packed(w):  # GGUF blocks: their float32 copy
+            return _array(w["w"])
         return _array(w)
 
     def scan_layers(self, body, carry, xs):

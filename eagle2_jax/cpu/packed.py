@@ -5,7 +5,7 @@ such as SmolLM2-135M-Instruct.Q4_1 stores them in 5-8.5 bits: the kernels here r
 and dequantise each weight in registers to exactly the float32 value numpy's dequantisation (what
 `load_gguf` gives unpacked) holds, then sum in the float32 kernel's order. A packed target therefore
 computes bit-for-bit what the unpacked float32 target computes through the kernels; it only reads
-less memory. Calls over more rows than the float32 kernels take (cpu_kernels.NN_MAX_ROWS for a
+less memory. Calls over more rows than the float32 kernels take (kernels.NN_MAX_ROWS for a
 Dense kernel, NT_MAX_ROWS for the LM head: prompts, large batches) use XLA's dot on a float32 copy
 kept beside the blocks ("w"), as the unpacked model does, since dequantising a matrix per call
 costs more than that dot (30 layers at 8-32 rows: ~300 ms vs 58-87 ms).
@@ -17,11 +17,12 @@ A packed leaf replaces a float32 param leaf by a dict:
     (the target's layers stack these leaves on a leading L axis, as every other layer param)
     w[k, c] = d[k/32, c] * q[k, c] + m[k/32, c] (the product rounded, then the sum); q in 0..15,
     packed per group of 2L columns c0..: byte c0/2 + i holds column c0 + i in its low nibble and
-    c0 + L + i in its high one (L = cpu_kernels.lanes(), the kernel's vector width)
+    c0 + L + i in its high one (L = kernels.lanes(), the kernel's vector width)
   Q8_0 tied embedding [V, D]:
     {"q8": int8 [V, D], "d": float32 [V, D/32], "w": float32 [V, D]}, w[v, k] = d[v, k/32] * q[v, k]
     (exact)
-"w", the dequantised matrix, is optional (`with_float32`); without it large calls dequantise.
+"w", the dequantised matrix, is required by eagle2_jax.cpu.ops (calls over many rows, and the output
+shape of a Dense kernel); leaves made here without it get it from `with_float32`.
 """
 from __future__ import annotations
 
@@ -78,12 +79,12 @@ def pack_q4(q_KN: np.ndarray, d: np.ndarray, m: np.ndarray, lanes: int) -> dict:
 def nibbles(leaf) -> jax.Array:
     """q [K, N] (uint8, 0..15) of a packed Q4 leaf."""
     q4 = leaf["q4"]
-    K, half = q4.shape
+    *lead, K, half = q4.shape  # [L, K, N/2] for stacked layers
     lanes = cpu_kernels.lanes()
     if not lanes:
-        raise RuntimeError("packed weights need the CPU kernels that packed them (eagle2_jax.cpu_kernels)")
-    g = q4.reshape(K, half // lanes, 1, lanes)
-    return jnp.concatenate([g & 0x0F, g >> 4], axis=2).reshape(K, 2 * half)
+        raise RuntimeError("packed weights need the CPU kernels that packed them (eagle2_jax.cpu.kernels)")
+    g = q4.reshape(*lead, K, half // lanes, 1, lanes)
+    return jnp.concatenate([g & 0x0F, g >> 4], axis=-2).reshape(*lead, K, 2 * half)
 
 
 def dequantize(leaf) -> jax.Array:
@@ -96,8 +97,8 @@ def dequantize(leaf) -> jax.Array:
     if "q8" in leaf:
         return leaf["q8"].astype(jnp.float32) * jnp.repeat(leaf["d"], BLOCK, axis=1)
     q = nibbles(leaf).astype(jnp.float32)
-    prod = jax.lax.optimization_barrier(jnp.repeat(leaf["d"], BLOCK, axis=0) * q)
-    return prod + jnp.repeat(leaf["m"], BLOCK, axis=0)
+    prod = jax.lax.optimization_barrier(jnp.repeat(leaf["d"], BLOCK, axis=-2) * q)
+    return prod + jnp.repeat(leaf["m"], BLOCK, axis=-2)
 
 
 def embed_rows(leaf, tokens) -> jax.Array:
