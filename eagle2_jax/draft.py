@@ -31,6 +31,7 @@ class EagleDraft(nn.Module):
     bias: bool = True
     dtype: Any = jnp.float32
     ops: Ops = XLA
+    aux_layers: tuple = ()  # EAGLE-1/2 heads read the target's final features, no other layer
 
     def setup(self):
         c, dt = self.config, self.dtype
@@ -57,9 +58,15 @@ class Draft:
     dtype: Any = jnp.float32
     source: str = "random"
     ops: Ops = XLA  # the target's (set by the loaders)
+    arch: str = "eagle2"  # "eagle2" (EAGLE-1/2 heads) or "eagle3" (eagle2_jax.eagle3)
+    draft_vocab_size: int = 0  # EAGLE-3: its LM head's rows
+    aux_layers: tuple = ()  # EAGLE-3: the target layers feeding fc
 
     @property
-    def module(self) -> EagleDraft:
+    def module(self):
+        if self.arch == "eagle3":
+            from .eagle3 import Eagle3Draft
+            return Eagle3Draft(self.config, self.draft_vocab_size, self.aux_layers, self.dtype, self.ops)
         return EagleDraft(self.config, self.bias, self.dtype, self.ops)
 
 
@@ -79,45 +86,80 @@ def check_compatible(draft_config: ModelConfig, target_config: ModelConfig, what
                          f"{target_config.vocab_size}")
 
 
-def abstract_draft_params(config: ModelConfig, bias: bool, dtype):
-    module = EagleDraft(config, bias, dtype)
-    return jax.eval_shape(lambda k: module.init(k, *_dummy_inputs(config, dtype)), jax.random.PRNGKey(0))["params"]
+def abstract_draft_params(config: ModelConfig, bias: bool, dtype, arch: str = "eagle2", draft_vocab_size: int = 0):
+    module = _module(config, bias, dtype, arch, draft_vocab_size)
+    return jax.eval_shape(lambda k: module.init(k, *_dummy_inputs(module)), jax.random.PRNGKey(0))["params"]
 
 
-def _dummy_inputs(config, dtype):
+def _module(config, bias, dtype, arch, draft_vocab_size):
+    if arch == "eagle3":
+        from .eagle3 import Eagle3Draft
+        return Eagle3Draft(config, draft_vocab_size, (), dtype)
+    if arch != "eagle2":
+        raise ValueError(f"draft arch must be 'eagle2' or 'eagle3', got {arch!r}")
+    return EagleDraft(config, bias, dtype)
+
+
+def _dummy_inputs(module):
+    config, dtype = module.config, module.dtype
     B, T, D = 1, 2, config.hidden_size
     z = jnp.zeros((B, T, D), dtype)
+    f = jnp.zeros((B, T, 3 * D), dtype) if getattr(module, "draft_vocab_size", 0) else z  # EAGLE-3: through fc
     cache = init_cache(1, B, T, config.num_key_value_heads, config.head_dim, dtype)
-    return z, z, jnp.zeros((B, T), jnp.int32), cache, causal_mask(B, T)
+    return z, f, jnp.zeros((B, T), jnp.int32), cache, causal_mask(B, T)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _init_params(module: EagleDraft, key):
+def _init_params(module, key):
     """Random parameters; compiled once per module (modules compare by configuration and dtype)."""
-    return module.init(key, *_dummy_inputs(module.config, module.dtype))["params"]
+    return module.init(key, *_dummy_inputs(module))["params"]
 
 
-def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, **config_overrides) -> Draft:
+def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, arch: str = "eagle2",
+               draft_vocab_size: int = 0, aux_layers=None, **config_overrides) -> Draft:
     """A randomly initialised draft head fitting `target` (for tests and training from scratch); for
-    an abstract target (shapes only), an abstract head."""
+    an abstract target (shapes only), an abstract head. arch "eagle3": an EAGLE-3 head drafting over
+    `draft_vocab_size` tokens (default: the whole vocabulary; d2t maps index i to token i) from the
+    target layers `aux_layers` (default eagle3.default_aux_layers)."""
     from .sharding import param_shardings, shard_params
     dt = resolve_dtype(dtype) if dtype is not None else target.dtype
     config = draft_config_for(target.config, **config_overrides)
     check_compatible(config, target.config)
+    extra = {}
+    if arch == "eagle3":
+        from .eagle3 import default_aux_layers
+        draft_vocab_size = draft_vocab_size or target.config.vocab_size
+        aux = tuple(aux_layers) if aux_layers is not None else default_aux_layers(target.config.num_hidden_layers)
+        check_aux_layers(aux, target.config)
+        extra = dict(arch="eagle3", draft_vocab_size=draft_vocab_size, aux_layers=aux)
+        bias = False
+    module = _module(config, bias, dt, arch, draft_vocab_size)
     if target.abstract:
-        params = abstract_draft_params(config, bias, dt)
+        params = abstract_draft_params(config, bias, dt, arch, draft_vocab_size)
         if target.mesh is not None:
             params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                             params, param_shardings(params, target.mesh))
-        return Draft(config, params, bias, dt, ops=target.ops)
-    params = _init_params(EagleDraft(config, bias, dt), jax.random.PRNGKey(seed))
-    return Draft(config, shard_params(params, target.mesh), bias, dt, ops=target.ops)
+        return Draft(config, params, bias, dt, ops=target.ops, **extra)
+    params = _init_params(module, jax.random.PRNGKey(seed))
+    return Draft(config, shard_params(params, target.mesh), bias, dt, ops=target.ops, **extra)
+
+
+def check_aux_layers(aux_layers: tuple, target_config: ModelConfig):
+    L = target_config.num_hidden_layers
+    if len(aux_layers) != 3 or any(not (0 <= int(i) < L) for i in aux_layers):
+        raise ValueError(f"EAGLE-3 aux layers must be three target layer indices in [0, {L}), got {aux_layers}")
 
 
 def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, local_mask, offset: int = 0,
                 fresh: bool = False):
     net = {k: v for k, v in params.items() if k != "vocab_head"}
     return module.apply({"params": net}, embeds, features, positions, cache, local_mask, offset, fresh)
+
+
+def draft_own_topk(module, params, h, k: int):
+    """An EAGLE-3 head's k best next tokens (its own norm and LM head, d2t to target ids)."""
+    from .eagle3 import Eagle3Draft
+    return module.apply({"params": params}, h, k, method=Eagle3Draft.topk)
 
 
 def with_draft_vocab(draft: Draft, target: Target, token_ids) -> Draft:

@@ -44,6 +44,30 @@ EAGLE_TABLE = (
 )
 
 
+def _q2(w, c):  # EAGLE-3 q_proj [H*Dh, 2D] -> [2D, H, Dh]
+    return w.T.reshape(2 * c.hidden_size, c.num_attention_heads, c.head_dim)
+
+
+def _kv2(w, c):
+    return w.T.reshape(2 * c.hidden_size, c.num_key_value_heads, c.head_dim)
+
+
+# the published EAGLE-3 layout (the official code's and SGLang's key names); d2t / t2d / embed_tokens apart
+EAGLE3_TABLE = (
+    (r"fc\.weight", "fc/kernel", _t),
+    (r"midlayer\.input_layernorm\.weight", "layers_0/input_norm/scale", _id),
+    (r"midlayer\.hidden_norm\.weight", "layers_0/hidden_norm/scale", _id),
+    (r"midlayer\.post_attention_layernorm\.weight", "layers_0/post_norm/scale", _id),
+    (r"midlayer\.self_attn\.q_proj\.weight", "layers_0/attn/q/kernel", _q2),
+    (r"midlayer\.self_attn\.(k|v)_proj\.weight", "layers_0/attn/{0}/kernel", _kv2),
+    (r"midlayer\.self_attn\.o_proj\.weight", "layers_0/attn/o/kernel", _o),
+    (r"midlayer\.mlp\.(gate|up|down)_proj\.weight", "layers_0/mlp/{0}/kernel", _t),
+    (r"norm\.weight", "norm/scale", _id),
+    (r"lm_head\.weight", "lm_head", _t),
+)
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # config key for the target layers feeding fc (optional)
+
+
 def _read_eagle_tensors(directory: str) -> dict:
     st = os.path.join(directory, "model.safetensors")
     pt = os.path.join(directory, "pytorch_model.bin")
@@ -68,6 +92,52 @@ def _read_eagle_tensors(directory: str) -> dict:
     raise CheckpointError(f"no model.safetensors or pytorch_model.bin in {directory}")
 
 
+def _is_eagle3(raw: dict, names) -> bool:
+    return ("draft_vocab_size" in raw or any("Eagle3" in a for a in raw.get("architectures", []) or [])
+            or any(n.startswith("midlayer.") for n in names))
+
+
+def _load_eagle3(directory: str, raw: dict, tensors: dict, target: Target, dtype) -> Draft:
+    from .draft import check_aux_layers
+    from .eagle3 import default_aux_layers
+    where = f"draft {directory}"
+    if "draft_vocab_size" not in raw:
+        raise CheckpointError(f"{where}: EAGLE-3 weights (midlayer.*) but config.json has no draft_vocab_size "
+                              "(an EAGLE-1/2 config?)")
+    if not any(n.startswith("midlayer.") for n in tensors):
+        raise CheckpointError(f"{where}: config.json describes an EAGLE-3 head but the weights have no midlayer.*")
+    Vd, V = int(raw["draft_vocab_size"]), target.config.vocab_size
+    raw = {k: v for k, v in raw.items() if k != "head_dim"}  # the official code derives it: hidden / heads
+    config = ModelConfig.from_hf_dict({**raw, "num_hidden_layers": 1, "tie_word_embeddings": False,
+                                       "model_type": raw.get("model_type", "llama")})
+    check_compatible(config, target.config, what=f"{where}:")
+    if not 0 < Vd <= V:
+        raise CheckpointError(f"{where}: draft_vocab_size {Vd} must be in [1, {V}]")
+    aux = tuple(int(i) for i in raw.get(AUX_KEY) or default_aux_layers(target.config.num_hidden_layers))
+    try:
+        check_aux_layers(aux, target.config)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    d2t = tensors.pop("d2t", None)
+    t2d = tensors.pop("t2d", None)
+    emb = tensors.pop("embed_tokens.weight", None)
+    if emb is not None and tuple(emb().shape) != (V, target.config.hidden_size):
+        raise CheckpointError(f"{where}: embed_tokens shape does not match the target")
+    if d2t is None and Vd < V:
+        raise CheckpointError(f"{where}: a {Vd}-token draft vocabulary needs the d2t map (draft id -> target id)")
+    d2t = np.zeros((Vd,), np.int64) if d2t is None else np.asarray(d2t(), np.float64).astype(np.int64)
+    if d2t.shape != (Vd,) or (np.arange(Vd) + d2t).min() < 0 or (np.arange(Vd) + d2t).max() >= V:
+        raise CheckpointError(f"{where}: d2t must map {Vd} draft ids into [0, {V})")
+    if t2d is not None and tuple(t2d().shape) != (V,):
+        raise CheckpointError(f"{where}: t2d has shape {tuple(t2d().shape)}, expected ({V},)")
+    params = convert(tensors, EAGLE3_TABLE, config, dtype, stack=False)
+    params["d2t"] = d2t.astype(np.int32)
+    from .draft import abstract_draft_params
+    check_params(params, abstract_draft_params(config, False, dtype, "eagle3", Vd), where)
+    return Draft(config, shard_params(params, target.mesh), False, dtype, source=directory, ops=target.ops,
+                 arch="eagle3", draft_vocab_size=Vd, aux_layers=aux)
+
+
 def _load_eagle(directory: str, target: Target, dtype) -> Draft:
     cfg_path = os.path.join(directory, "config.json")
     try:
@@ -75,12 +145,17 @@ def _load_eagle(directory: str, target: Target, dtype) -> Draft:
             raw = json.load(f)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"corrupt draft config {cfg_path}: {e}") from None
+    if _is_eagle3(raw, ()):
+        return _load_eagle3(directory, raw, _read_eagle_tensors(directory), target, dtype)
     bias = bool(raw.get("bias", True))
     raw = {**raw, "num_hidden_layers": 1, "tie_word_embeddings": False}
     raw.setdefault("model_type", "llama")
     config = ModelConfig.from_hf_dict(raw)
     check_compatible(config, target.config, what=f"draft {directory}:")
     tensors = _read_eagle_tensors(directory)
+    if _is_eagle3({}, tensors):
+        raise CheckpointError(f"draft {directory}: EAGLE-3 weights (midlayer.*) but config.json has no "
+                              "draft_vocab_size (an EAGLE-1/2 config?)")
     emb = tensors.pop("embed_tokens.weight", None)
     if emb is not None and tuple(emb().shape) != (target.config.vocab_size, target.config.hidden_size):
         raise CheckpointError(f"draft {directory}: embed_tokens shape does not match the target")
@@ -96,14 +171,16 @@ def _load_ours(directory: str, target: Target, dtype) -> Draft:
     config = ModelConfig.from_hf_dict(meta["config"])
     check_compatible(config, target.config, what=f"draft {directory}:")
     bias = bool(meta.get("bias", True))
-    abstract = abstract_draft_params(config, bias, dtype)
+    arch, Vd, aux = meta.get("arch", "eagle2"), int(meta.get("draft_vocab_size", 0)), tuple(meta.get("aux_layers", ()))
+    abstract = abstract_draft_params(config, bias, dtype, arch, Vd)
     try:
         params = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")))
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"corrupt draft checkpoint {directory}: {type(e).__name__}: {e}") from None
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+    params = jax.tree_util.tree_map(lambda x, a: jnp.asarray(x, a.dtype), params, abstract)
     check_params(params, abstract, f"draft {directory}")
-    return Draft(config, shard_params(params, target.mesh), bias, dtype, source=directory, ops=target.ops)
+    extra = dict(arch=arch, draft_vocab_size=Vd, aux_layers=aux) if arch == "eagle3" else {}
+    return Draft(config, shard_params(params, target.mesh), bias, dtype, source=directory, ops=target.ops, **extra)
 
 
 def load_draft(source: str, target: Target, dtype: Optional[str] = None, draft_vocab: bool = True) -> Draft:
@@ -167,10 +244,52 @@ def eagle_state_dict(draft: Draft) -> dict:
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
-def save_draft(draft: Draft, directory: str, format: str = "eagle", dtype: str = "bfloat16") -> str:
-    """Write `draft` as an EAGLE-format directory (safetensors) or in our Orbax format
-    (plus `draft_vocab.json` when the draft has a vocabulary subset)."""
+def eagle3_state_dict(draft: Draft) -> dict:
+    """An EAGLE-3 head's params -> the published key names and torch layouts (numpy)."""
+    c, V = draft.config, draft.config.vocab_size
+    p = jax.tree_util.tree_map(lambda x: np.asarray(x), draft.params)
+    L = p["layers_0"]
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    sd = {"fc.weight": f32(p["fc"]["kernel"]).T, "norm.weight": f32(p["norm"]["scale"]),
+          "lm_head.weight": f32(p["lm_head"]).T,
+          "midlayer.input_layernorm.weight": f32(L["input_norm"]["scale"]),
+          "midlayer.hidden_norm.weight": f32(L["hidden_norm"]["scale"]),
+          "midlayer.post_attention_layernorm.weight": f32(L["post_norm"]["scale"])}
+    for n in ("q", "k", "v"):
+        sd[f"midlayer.self_attn.{n}_proj.weight"] = f32(L["attn"][n]["kernel"]).reshape(2 * c.hidden_size, -1).T
+    sd["midlayer.self_attn.o_proj.weight"] = f32(L["attn"]["o"]["kernel"]).reshape(-1, c.hidden_size).T
+    for n in ("gate", "up", "down"):
+        sd[f"midlayer.mlp.{n}_proj.weight"] = f32(L["mlp"][n]["kernel"]).T
+    d2t = np.asarray(p["d2t"], np.int64)
+    t2d = np.zeros((V,), bool)
+    t2d[np.arange(d2t.size) + d2t] = True
+    return {k: np.ascontiguousarray(v) for k, v in sd.items()}, {"d2t": d2t, "t2d": t2d}
+
+
+def save_draft(draft: Draft, directory: str, format: str = "eagle", dtype: str = "bfloat16", target=None) -> str:
+    """Write `draft` as an EAGLE-format directory (safetensors: format "eagle" for EAGLE-1/2 heads,
+    "eagle3" for EAGLE-3 heads, the published layouts) or in our Orbax format (plus
+    `draft_vocab.json` when the draft has a vocabulary subset). With `target`, an EAGLE-1/2 export
+    also holds `embed_tokens.weight` (the target's embedding), as the official code's strict loader
+    expects."""
+    if format == "eagle" and draft.arch == "eagle3":
+        format = "eagle3"
+    if format == "eagle3" and draft.arch != "eagle3":
+        raise ValueError("format 'eagle3' writes EAGLE-3 heads; this is an EAGLE-1/2 head (format 'eagle')")
     os.makedirs(directory, exist_ok=True)
+    if format == "eagle3":
+        from safetensors.flax import save_file
+        dt = resolve_dtype(dtype)
+        weights, maps = eagle3_state_dict(draft)
+        sd = {k: jnp.asarray(v, dt) for k, v in weights.items()}
+        sd.update({k: jnp.asarray(v) for k, v in maps.items()})
+        save_file(sd, os.path.join(directory, "model.safetensors"))
+        cfg = draft.config.to_hf_dict()
+        cfg.update(num_hidden_layers=1, torch_dtype=dtype, draft_vocab_size=draft.draft_vocab_size,
+                   architectures=["LlamaForCausalLMEagle3"], **{AUX_KEY: list(draft.aux_layers)})
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        return directory
     vh = draft.params.get("vocab_head")
     if vh is not None:
         with open(os.path.join(directory, VOCAB_FILE), "w") as f:
@@ -181,6 +300,8 @@ def save_draft(draft: Draft, directory: str, format: str = "eagle", dtype: str =
         from safetensors.flax import save_file
         dt = resolve_dtype(dtype)
         sd = {k: jnp.asarray(v, dt) for k, v in eagle_state_dict(draft).items()}
+        if target is not None:
+            sd["embed_tokens.weight"] = jnp.asarray(target.ops.weight(target.params["embed"]), dt)  # backend form -> array
         save_file(sd, os.path.join(directory, "model.safetensors"))
         cfg = draft.config.to_hf_dict()
         cfg.update(bias=draft.bias, num_hidden_layers=1, torch_dtype=dtype)
@@ -193,7 +314,10 @@ def save_draft(draft: Draft, directory: str, format: str = "eagle", dtype: str =
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(target_dir, draft.params, force=True)
         ckptr.wait_until_finished()
+        meta = {"config": draft.config.to_hf_dict(), "bias": draft.bias}
+        if draft.arch == "eagle3":
+            meta.update(arch="eagle3", draft_vocab_size=draft.draft_vocab_size, aux_layers=list(draft.aux_layers))
         with open(os.path.join(directory, OURS_META), "w") as f:
-            json.dump({"config": draft.config.to_hf_dict(), "bias": draft.bias}, f, indent=2)
+            json.dump(meta, f, indent=2)
         return directory
-    raise ValueError(f"format must be 'eagle' or 'orbax', got {format!r}")
+    raise ValueError(f"format must be 'eagle', 'eagle3' or 'orbax', got {format!r}")

@@ -68,7 +68,8 @@ def draft_catch_up(tmodule, tparams, dmodule, dparams, dcache: KVCache, tokens_B
 def init_state(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, prompt_BP, prompt_len_B,
                active_B, max_new, eos, seed, *, cache_len, out_len, sampling, tree, mesh=None):
     B, P = prompt_BP.shape
-    feats, tcache, logits_BV = prefill(tmodule, tparams, prompt_BP, prompt_len_B, cache_len, mesh)
+    feats, tcache, logits_BV = prefill(tmodule, tparams, prompt_BP, prompt_len_B, cache_len, mesh,
+                                       aux_layers=dmodule.aux_layers)
     keys = row_keys(jax.random.PRNGKey(seed), B)
     root = sample_rows(step_keys(keys, 0), logits_BV, sampling)
     # draft pairs (f_j, t_{j+1}) for j < len: prompt shifted left, the root in the last slot
@@ -97,8 +98,10 @@ def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: Eagle
     t = rerank(pool, st.root_B, tree)
     # verify: one target forward over the tree, positions by depth, ancestor mask
     pos = st.tcache.length[:, None] + t.depths_BN
-    feats, tcache = target_apply(tmodule, tparams, t.tokens_BN, pos, st.tcache, t.ancestors_BNN)
+    out = target_apply(tmodule, tparams, t.tokens_BN, pos, st.tcache, t.ancestors_BNN, aux_layers=dmodule.aux_layers)
+    feats, tcache = out[:2]
     logits = target_logits(tmodule, tparams, feats)  # [B, N, V] float32
+    draft_feats = out[2] if dmodule.aux_layers else feats  # what the draft reads (EAGLE-3: three layers)
     # accept
     if sampling.greedy:
         path, n_acc, bonus = accept_greedy(t, logits, C)
@@ -114,7 +117,7 @@ def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: Eagle
     new_tok = jnp.where(d == (n_acc - 1)[:, None], bonus[:, None], nxt)
     out, n_out, done, added = emit(st.out_BM, st.n_out_B, st.done_B, new_tok, n_acc, st.max_new_B, st.eos)
     # catch-up: pairs (feature of path node d, token after it)
-    path_feat = jnp.take_along_axis(feats, path[:, :, None], axis=1)
+    path_feat = jnp.take_along_axis(draft_feats, path[:, :, None], axis=1)
     hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, new_tok, path_feat, n_acc)
     r = jnp.minimum(st.rounds_B, st.accept_BR.shape[1] - 1)
     accept = st.accept_BR.at[jnp.arange(B), r].set(jnp.where(active, n_acc, st.accept_BR[jnp.arange(B), r]))

@@ -77,24 +77,38 @@ class Llama(nn.Module):
         return self.ops.lm_head(features_BTD, self.embed if tied else self.lm_head, tied)
 
     def __call__(self, tokens_BT, positions_BT, cache: KVCache, local_mask_BTU, offset: int = 0,
-                 fresh: bool = False):
+                 fresh: bool = False, aux_layers: tuple = ()):
         """Forward over T new tokens written at cache slots length+offset .. +T-1.
 
         local_mask[b, t, u] lets token t see scratch slot length+u (itself included); committed
         slots are always visible. With `fresh` (a prefill into an empty cache) attention reads no
         cache slot at all, only the new tokens. Returns (features [B,T,D] after the final norm,
-        cache with the new keys/values written; its length is unchanged).
+        cache with the new keys/values written; its length is unchanged), and with `aux_layers`
+        also the hidden states entering those layers, concatenated [B,T,A*D] (an EAGLE-3 head's
+        input features).
         """
         c, ops = self.config, self.ops
         k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
+        x0 = self.embed_tokens(tokens_BT)
+        A = len(aux_layers)
 
-        def layer(x_BTD, xs):
-            p, k_BKSD, v_BKSD = xs
-            return decoder_layer(ops, c, p, x_BTD, positions_BT, k_BKSD, v_BKSD, masks)
+        def layer(carry, xs):
+            x_BTD, aux_ABTD = carry
+            p, k_BKSD, v_BKSD = xs[:3]
+            if A:  # keep the stream entering the aux layers (a layer index rides along in xs)
+                hit = jnp.asarray(aux_layers, jnp.int32) == ops.weight(xs[3])
+                aux_ABTD = jnp.where(hit[:, None, None, None], x_BTD[None], aux_ABTD)
+            x_BTD, kv = decoder_layer(ops, c, p, x_BTD, positions_BT, k_BKSD, v_BKSD, masks)
+            return (x_BTD, aux_ABTD), kv
 
-        x, (k_LBKTD, v_LBKTD) = ops.scan_layers(layer, self.embed_tokens(tokens_BT), (self.layers, k_read, v_read))
+        xs = (self.layers, k_read, v_read) + ((jnp.arange(c.num_hidden_layers, dtype=jnp.int32),) if A else ())
+        aux0 = jnp.zeros((A,) + x0.shape, x0.dtype)
+        (x, aux), (k_LBKTD, v_LBKTD) = ops.scan_layers(layer, (x0, aux0), xs)
         cache = write(cache, k_LBKTD, v_LBKTD, cache.length + offset)
-        return rms_norm(ops, self.norm, x, c.rms_norm_eps), cache
+        feats = rms_norm(ops, self.norm, x, c.rms_norm_eps)
+        if not A:
+            return feats, cache
+        return feats, cache, jnp.concatenate(list(aux), axis=-1)
 
     def init_all(self, tokens_BT):
         B, T = tokens_BT.shape
@@ -165,8 +179,9 @@ def init_target(config: ModelConfig, seed: int = 0, dtype="auto", mesh=None, abs
 
 
 def target_apply(module: Llama, params, tokens_BT, positions_BT, cache, local_mask_BTU, offset: int = 0,
-                 fresh: bool = False):
-    return module.apply({"params": params}, tokens_BT, positions_BT, cache, local_mask_BTU, offset, fresh)
+                 fresh: bool = False, aux_layers: tuple = ()):
+    """(features, cache), or (features, cache, aux features) with `aux_layers` (see Llama.__call__)."""
+    return module.apply({"params": params}, tokens_BT, positions_BT, cache, local_mask_BTU, offset, fresh, aux_layers)
 
 
 def target_logits(module: Llama, params, features):

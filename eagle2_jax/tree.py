@@ -13,7 +13,7 @@ from flax import struct
 
 from .cache import KVCache
 from .config import TreeConfig
-from .draft import EagleDraft, draft_apply
+from .draft import EagleDraft, draft_apply, draft_own_topk
 from .model import Llama, target_embed, target_logits
 
 
@@ -42,7 +42,7 @@ def _take_rows(x_BK, idx_BJ):
     return jnp.take_along_axis(x_BK, idx, axis=1)
 
 
-def draft_topk(tmodule: Llama, tparams, dparams, h, k: int):
+def draft_topk(tmodule: Llama, tparams, dmodule, dparams, h, k: int):
     """The draft's k best next tokens and their log-probs from hidden states h [..., D].
 
     With a `vocab_head` in the draft params (a frequent-token subset, FR-Spec style: `ids` [V'] and
@@ -50,6 +50,8 @@ def draft_topk(tmodule: Llama, tparams, dparams, h, k: int):
     draft pass's LM head V/V' times cheaper; verification always uses the full vocabulary, so this
     changes which tokens are proposed, never what is accepted.
     """
+    if dmodule.aux_layers:  # EAGLE-3: the head's own norm, LM head and draft vocabulary
+        return draft_own_topk(dmodule, dparams, h, k)
     vh = dparams.get("vocab_head") if isinstance(dparams, dict) else None
     if vh is None:
         score, tok = jax.lax.top_k(_log_softmax_f32(target_logits(tmodule, tparams, h)), k)
@@ -67,7 +69,7 @@ def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCach
     """
     K, D = tree.top_k, tree.passes
     B, Dm = hidden_BD.shape
-    score_BK, tok_BK = draft_topk(tmodule, tparams, dparams, hidden_BD, K)
+    score_BK, tok_BK = draft_topk(tmodule, tparams, dmodule, dparams, hidden_BD, K)
     pool_tok, pool_score = [tok_BK], [score_BK]
     pool_parent = [jnp.full((B, K), -1, jnp.int32)]
     frontier_idx = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))  # pool index
@@ -79,7 +81,7 @@ def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCach
         emb = target_embed(tmodule, tparams, tok_BK)
         pos = jnp.broadcast_to((dcache.length + level)[:, None], (B, K))
         h_BKD, dcache = draft_apply(dmodule, dparams, emb, parent_h, pos, dcache, anc_BKU, offset=level * K)
-        child_score, child_tok = draft_topk(tmodule, tparams, dparams, h_BKD, K)  # [B, K, K]
+        child_score, child_tok = draft_topk(tmodule, tparams, dmodule, dparams, h_BKD, K)  # [B, K, K]
         cand = (score_BK[:, :, None] + child_score).reshape(B, K * K)
         cand_tok = child_tok.reshape(B, K * K).astype(jnp.int32)
         pool_tok.append(cand_tok)

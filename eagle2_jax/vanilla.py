@@ -33,20 +33,23 @@ class DecodeState:
     eos: jax.Array  # scalar (-1: none)
 
 
-def prefill(module: Llama, params, prompt_BP, prompt_len_B, cache_len: int, mesh=None):
+def prefill(module: Llama, params, prompt_BP, prompt_len_B, cache_len: int, mesh=None, aux_layers: tuple = ()):
     """Causal forward over right-padded prompts into a fresh cache.
 
-    Returns (features [B,P,D], cache committed to each prompt's length, last-token logits [B,V]).
+    Returns (features [B,P,D] -- or, with `aux_layers`, the hidden states entering those layers
+    [B,P,A*D] (an EAGLE-3 head's input) --, cache committed to each prompt's length, last-token
+    logits [B,V]).
     """
     B, P = prompt_BP.shape
     c = module.config
     pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     cache = init_cache(c.num_hidden_layers, B, cache_len, c.num_key_value_heads, c.head_dim, module.dtype)
     cache = constrain_cache(cache, mesh)
-    feats, cache = target_apply(module, params, prompt_BP, pos, cache, causal_mask(B, P), fresh=True)
+    out = target_apply(module, params, prompt_BP, pos, cache, causal_mask(B, P), fresh=True, aux_layers=aux_layers)
+    feats, cache = out[:2]
     cache = advance(cache, prompt_len_B)
     last = jnp.take_along_axis(feats, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
-    return feats, cache, target_logits(module, params, last)
+    return (out[2] if aux_layers else feats), cache, target_logits(module, params, last)
 
 
 def init_state(module, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *,

@@ -48,6 +48,9 @@ def parse(argv=None):
                     help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
                          "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
                          "arithmetic from a sixth of the memory traffic (eagle2_jax.cpu.packed; also EAGLE2_JAX_PACKED=0)")
+    ap.add_argument("--full-draft-vocab", action="store_true",
+                    help="draft over the whole vocabulary instead of the head's draft_vocab.json subset (changes "
+                         "which tokens are proposed, so tau moves by a few percent per question; never the output)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
@@ -155,7 +158,7 @@ def main(argv=None):
         if m == "plain":
             runners[m] = Ours(m, target, None, None, args)
         elif m == "eagle":
-            draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype)
+            draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype, draft_vocab=not args.full_draft_vocab)
             from infer.generate import tree_for
             tree = tree_for(args, draft, target, [render(tok, [{"role": "user", "content": q["turns"][0]}])
                                                   for q in questions[:2]])

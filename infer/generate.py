@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
                          "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
                          "arithmetic from a sixth of the memory traffic (eagle2_jax.cpu.packed; also EAGLE2_JAX_PACKED=0)")
+    ap.add_argument("--full-draft-vocab", action="store_true",
+                    help="draft over the whole vocabulary instead of the head's draft_vocab.json subset (changes "
+                         "which tokens are proposed, so tau moves by a few percent per question; never the output)")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
@@ -100,7 +103,7 @@ def main(argv=None):
         if args.mode != "vanilla" and args.draft != "none":
             name = args.model if args.draft == "auto" else args.draft
             if args.draft != "auto" or (name in NAMED_DRAFTS and os.path.isdir(NAMED_DRAFTS[name])):
-                draft = load_draft(name, target, dtype=args.draft_dtype)
+                draft = load_draft(name, target, dtype=args.draft_dtype, draft_vocab=not args.full_draft_vocab)
         if args.mode == "eagle" and draft is None:
             raise CheckpointError(f"--mode eagle needs a draft head: none is shipped for {args.model!r}; pass --draft")
         load_s = time.perf_counter() - t0
