@@ -84,9 +84,12 @@ class Eagle3Draft(nn.Module):
                                  k_read[0], v_read[0], masks)
         return h, write(cache, k[None], v[None], cache.length + offset)
 
+    def logits(self, h):
+        """float32 logits [..., Vd] over the draft vocabulary (index i is target token i + d2t[i])."""
+        x = rms_norm(self.ops, self.norm, h, self.config.rms_norm_eps)
+        return self.ops.vocab_logits(x, {"w": self.lm_head})
+
     def topk(self, h, k: int):
         """The k best next target tokens and their log-probs (over the draft vocabulary)."""
-        x = rms_norm(self.ops, self.norm, h, self.config.rms_norm_eps)
-        logits = self.ops.vocab_logits(x, {"w": self.lm_head})
-        score, idx = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+        score, idx = jax.lax.top_k(jax.nn.log_softmax(self.logits(h).astype(jnp.float32), axis=-1), k)
         return score, (idx + jnp.take(self.d2t, idx)).astype(jnp.int32)

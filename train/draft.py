@@ -17,12 +17,18 @@ exported in the EAGLE format (bf16 safetensors) and in ours.
 `rollout: R` (> 1) adds R-1 steps in which the head reads its own predicted features, as tree
 drafting does at depth 2..R, with loss weights `rollout_decay**k` (see train.loss.draft_loss);
 the log then also reports acc_k, the top-1 accuracy k steps into the draft's own rollout.
+`arch: eagle3` trains an EAGLE-3 head (eagle2_jax.eagle3) instead: features from three target layers
+(the feature cache holds them beside the final features), the head's own LM head over the draft
+vocabulary (`draft_vocab`, sorted ids; d2t from them), the cross-entropy alone (v_weight, p_weight and
+noise are EAGLE-2's), the training-time test with `rollout` steps (the paper uses 7), and the export
+in the published EAGLE-3 layout.
 With `init_from` (a head to continue from), that head is evaluated on the held-out examples before
 the first step (step 0 in the log), the baseline the run's later evaluations compare against.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -38,7 +44,7 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
                 heldout_examples=32, seed=0, mesh=None, log_every=10, ckpt_every=50, eval_every=200,
                 eval_tau_prompts=4, eval_tau_tokens=64, tree=dict(depth=5, top_k=10, total_tokens=60),
                 init_from=None, feature_cache=True, draft_vocab=None, feature_batch=8, rollout=1,
-                rollout_decay=0.8)
+                rollout_decay=0.8, arch="eagle2")
 
 
 def load_config(argv=None) -> dict:
@@ -139,27 +145,33 @@ def make_optimizer(cfg):
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg["weight_decay"])), sched
 
 
-def build_step(tmodule, dmodule, opt, cfg):
+def build_step(tmodule, dmodule, opt, cfg, fixed=None):
     """Jitted (train step, eval). The train step takes features [B, T, D] (from the cache) or
-    None (computed inside by the target), and the draft-vocabulary ids or None."""
+    None (computed inside by the target), and the draft-vocabulary ids or None. `fixed`: params
+    that are not trained (an EAGLE-3 head's integer d2t map), joined to the trained ones in the loss."""
     import jax
     import optax
     from train.loss import draft_loss, target_features, vocab_head
 
+    aux = tuple(dmodule.aux_layers)
+
+    fixed = fixed or {}
+    loss_fn = lambda dparams, *a: draft_loss({**dparams, **fixed}, *a)  # noqa: E731
+
     def step(dparams, opt_state, tparams, ids, mask, feats, vocab_ids, key):
         if feats is None:
-            feats = target_features(tmodule, tparams, ids)
+            feats = target_features(tmodule, tparams, ids, aux)
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
-        grad_fn = jax.value_and_grad(draft_loss, has_aux=True)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, key, cfg["noise"],
                                       cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"])
         updates, opt_state = opt.update(grads, opt_state, dparams)
         return optax.apply_updates(dparams, updates), opt_state, metrics
 
     def evaluate(dparams, tparams, ids, mask, vocab_ids):
-        feats = target_features(tmodule, tparams, ids)
+        feats = target_features(tmodule, tparams, ids, aux)
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
-        _, metrics = draft_loss(dparams, dmodule, tmodule, tparams, ids, mask, feats, None, 0.0,
+        _, metrics = loss_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, None, 0.0,
                                 cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"])
         return metrics
 
@@ -184,7 +196,7 @@ def resolve_vocab(spec, train, out_dir):
 
 def eval_tau(target, draft, examples, cfg, vocab=None):
     from eagle2_jax import TreeConfig, generate
-    if vocab is not None:
+    if vocab is not None and draft.arch != "eagle3":  # an EAGLE-3 head carries its vocabulary (d2t)
         from eagle2_jax.draft import with_draft_vocab
         draft = with_draft_vocab(draft, target, vocab)
     prompts = [t[:int(np.argmax(m))].tolist() for t, m in examples[:cfg["eval_tau_prompts"]] if m.any()]
@@ -215,20 +227,30 @@ def main(argv=None):
     heldout = sets[0][-cfg["heldout_examples"]:]  # held out from the first (self-distilled) set
     train = sets[0][:-cfg["heldout_examples"]] + [e for s in sets[1:] for e in s]
     print(f"{len(train)} training examples from {', '.join(dirs)}; {len(heldout)} held out")
+    if cfg["arch"] not in ("eagle2", "eagle3"):
+        sys.exit(f"error: arch must be eagle2 or eagle3, got {cfg['arch']!r}")
     target = load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)
-    draft = init_draft(target, cfg["seed"])
+    os.makedirs(cfg["out"], exist_ok=True)
+    vocab = resolve_vocab(cfg["draft_vocab"], train, cfg["out"])
+    if cfg["arch"] == "eagle3":  # the head's LM head rows in ascending token order; d2t maps to them
+        vocab = np.sort(vocab) if vocab is not None else np.arange(target.config.vocab_size)
+        draft = init_draft(target, cfg["seed"], arch="eagle3", draft_vocab_size=len(vocab))
+        draft.params = {**draft.params, "d2t": jax.numpy.asarray(vocab - np.arange(len(vocab)), jax.numpy.int32)}
+    else:
+        draft = init_draft(target, cfg["seed"])
     if cfg["init_from"]:
         from eagle2_jax import load_draft
         draft = load_draft(cfg["init_from"], target, draft_vocab=False)  # the vocabulary comes from draft_vocab
+    fixed = {k: v for k, v in draft.params.items() if k == "d2t"}  # not trained: EAGLE-3's vocabulary map
+    draft.params = {k: v for k, v in draft.params.items() if k not in fixed}
+    whole = lambda: dataclasses.replace(draft, params={**draft.params, **fixed})  # noqa: E731
     opt, sched = make_optimizer(cfg)
     opt_state = opt.init(draft.params)
-    step_fn, eval_fn = build_step(target.module, draft.module, opt, cfg)
+    step_fn, eval_fn = build_step(target.module, draft.module, opt, cfg, fixed)
     batcher = Batcher(train, cfg["batch_size"], cfg["seq_len"], cfg["seed"])
     held = Batcher(heldout, min(cfg["batch_size"], len(heldout)), cfg["seq_len"], cfg["seed"], pack=False)
     print(f"{len(batcher)} packed sequences of {cfg['seq_len']} tokens per epoch")
 
-    os.makedirs(cfg["out"], exist_ok=True)
-    vocab = resolve_vocab(cfg["draft_vocab"], train, cfg["out"])
     vocab_dev = None if vocab is None else jax.numpy.asarray(vocab, jax.numpy.int32)
     if vocab is not None:
         print(f"cross-entropy over a draft vocabulary of {len(vocab)} tokens")
@@ -236,10 +258,11 @@ def main(argv=None):
     if cfg["feature_cache"]:
         from train.features import FeatureCache, fingerprint
         from train.loss import target_features
-        key_ = fingerprint(batcher.seqs, str(cfg["target"]), cfg["dtype"])
+        aux = tuple(draft.aux_layers)
+        key_ = fingerprint(batcher.seqs, str(cfg["target"]) + (f"|aux{aux}" if aux else ""), cfg["dtype"])
         fcache = FeatureCache(os.path.join(cfg["out"], "features"), len(batcher), cfg["seq_len"],
-                              target.config.hidden_size, key_)
-        feat_fn = jax.jit(lambda p, ids: target_features(target.module, p, ids))
+                              target.config.hidden_size * (len(aux) + 1), key_)
+        feat_fn = jax.jit(lambda p, ids: target_features(target.module, p, ids, aux))
         t0 = time.time()
         done0 = fcache.done
         fcache.fill(batcher.seqs, lambda ids: feat_fn(target.params, ids), cfg["feature_batch"])
@@ -269,7 +292,7 @@ def main(argv=None):
               for i in range(max(1, len(heldout) // held.B))]
         acc = float(np.mean([float(e["acc"]) for e in em]))
         deeper = {f"eval_{k}": float(np.mean([float(e[k]) for e in em])) for k in em[0] if k.startswith("acc_")}
-        tau = eval_tau(target, draft, heldout, cfg, vocab)
+        tau = eval_tau(target, whole(), heldout, cfg, vocab)
         rec = dict(step=step, eval_acc=acc, **deeper, eval_tau=tau, time=time.time())
         log.write(json.dumps(rec) + "\n")
         log.flush()
@@ -314,10 +337,10 @@ def main(argv=None):
             save(step)
         bar.close()
     if step >= cfg["steps"]:
-        save_draft(draft, os.path.join(cfg["out"], "final_orbax"), format="orbax")
+        save_draft(whole(), os.path.join(cfg["out"], "final_orbax"), format="orbax")
         if cfg["export"]:
-            save_draft(draft, cfg["export"], format="eagle", dtype="bfloat16")
-            if vocab is not None:
+            save_draft(whole(), cfg["export"], format="eagle3" if draft.arch == "eagle3" else "eagle", dtype="bfloat16")
+            if vocab is not None and draft.arch != "eagle3":
                 with open(os.path.join(cfg["export"], "draft_vocab.json"), "w") as f:
                     json.dump({"ids": [int(i) for i in vocab]}, f)
             print(f"exported EAGLE-format head to {cfg['export']}")

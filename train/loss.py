@@ -1,4 +1,6 @@
-"""The EAGLE draft loss: smooth-L1 feature regression + soft cross-entropy through the frozen LM head.
+"""The EAGLE draft loss: smooth-L1 feature regression + soft cross-entropy through the frozen LM head
+(EAGLE-1/2 heads); for EAGLE-3 heads (eagle2_jax.eagle3) soft cross-entropy of the head's own
+LM head over its draft vocabulary against the target's distribution renormalised over it.
 
 Alignment (draft position j): input (embed(t_{j+1}), f_j) -> prediction of f_{j+1}, whose LM-head
 distribution is the target's distribution of t_{j+2}. Position j counts when t_{j+1} is an
@@ -15,12 +17,15 @@ from eagle2_jax.layers import causal_mask
 from eagle2_jax.model import target_apply, target_embed, target_logits
 
 
-def target_features(tmodule, tparams, ids_BT):
+def target_features(tmodule, tparams, ids_BT, aux_layers: tuple = ()):
+    """The target's final-norm features [B, T, D]; with `aux_layers` (an EAGLE-3 head's) the hidden
+    states entering those layers first: [B, T, A*D + D]."""
     B, T = ids_BT.shape
     c = tmodule.config
     cache = init_cache(c.num_hidden_layers, B, T, c.num_key_value_heads, c.head_dim, tmodule.dtype)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    f, _ = target_apply(tmodule, tparams, ids_BT, pos, cache, causal_mask(B, T), fresh=True)
+    out = target_apply(tmodule, tparams, ids_BT, pos, cache, causal_mask(B, T), fresh=True, aux_layers=aux_layers)
+    f = jnp.concatenate([out[2], out[0]], axis=-1) if aux_layers else out[0]
     return jax.lax.stop_gradient(f)
 
 
@@ -57,9 +62,14 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     if R < 1 or R >= T:
         raise ValueError(f"rollout must be in [1, seq_len); got {rollout} with seq_len {T}")
     feats_BTD = feats_BTD.astype(jnp.float32)  # a disk cache keeps them in float16
-    f_in = feats_BTD
-    if noise > 0:
-        f_in = f_in + jax.random.uniform(noise_key, f_in.shape, f_in.dtype, -noise, noise)
+    eagle3 = bool(dmodule.aux_layers)
+    if eagle3:  # [aux (A*D) | final (D)]: the head reads the aux features, the target's distribution the final
+        D = tmodule.config.hidden_size
+        f_in, feats_BTD = feats_BTD[..., :-D], feats_BTD[..., -D:]
+    else:
+        f_in = feats_BTD
+        if noise > 0:
+            f_in = f_in + jax.random.uniform(noise_key, f_in.shape, f_in.dtype, -noise, noise)
     if head_DV is None:
         head = lambda x: target_logits(tmodule, tparams, x)  # noqa: E731
     else:
@@ -70,17 +80,26 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     t_p = jax.nn.softmax(t_logits, axis=-1)
     t_top = jnp.argmax(t_logits, -1)
     embed = lambda ids: jax.lax.stop_gradient(target_embed(tmodule, tparams, ids))  # noqa: E731
+    if eagle3:
+        from eagle2_jax.eagle3 import Eagle3Draft
+        net = {k: v for k, v in dparams.items() if k != "vocab_head"}
+        own_logits = lambda h: dmodule.apply({"params": net}, h, method=Eagle3Draft.logits)  # noqa: E731
     loss, metrics = 0.0, {}
     for k, pred in enumerate(draft_rollout(dparams, dmodule, embed, ids_BT, f_in, R)):
         n_valid = T - 1 - k  # anchors j with j+k+1 < T
         p = pred[:, :n_valid]
         w = mask_BT[:, k + 1:].astype(jnp.float32)
         n = jnp.maximum(w.sum(), 1.0)
-        vloss = (smooth_l1(p.astype(jnp.float32), tgt[:, k:]).mean(-1) * w).sum() / n
-        logp = jax.nn.log_softmax(head(p), axis=-1)
+        if eagle3:  # no feature to regress to: token-level cross-entropy over its own draft vocabulary
+            vloss = jnp.float32(0.0)
+            logp = jax.nn.log_softmax(own_logits(p), axis=-1)
+        else:
+            vloss = (smooth_l1(p.astype(jnp.float32), tgt[:, k:]).mean(-1) * w).sum() / n
+            logp = jax.nn.log_softmax(head(p), axis=-1)
         ploss = (-(t_p[:, k:] * logp).sum(-1) * w).sum() / n
         acc = ((jnp.argmax(logp, -1) == t_top[:, k:]) * w).sum() / n
-        loss = loss + (rollout_decay ** k) * (v_weight * vloss + p_weight * ploss)
+        step_loss = ploss if eagle3 else v_weight * vloss + p_weight * ploss  # EAGLE-3: the cross-entropy alone
+        loss = loss + (rollout_decay ** k) * step_loss
         if k == 0:
             metrics.update(vloss=vloss, ploss=ploss, acc=acc, tokens=w.sum())
         else:
