@@ -177,7 +177,7 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     p_draft, p_verify, p_accept, p_round = _parts()
     lo_draft = p_draft.lower(tp, dp, est, tm=tm, dm=dm, tree=tree)
     t, dcache = lo_draft.out_info
-    lo_verify = p_verify.lower(tp, est, t, tm=tm)
+    lo_verify = p_verify.lower(tp, est, t, tm=tm, aux=dm.aux_layers)
     feats, logits, tcache = lo_verify.out_info
     parts = {"draft": _cost(lo_draft, kernels), "verify": _cost(lo_verify, kernels),
              "accept": _cost(p_accept.lower(tp, dp, est, t, feats, logits, tcache, dcache, tm=tm, dm=dm, tree=tree),

@@ -125,10 +125,11 @@ def _parts():
         pool, dcache = expand(tm, tp, dm, dp, st.dcache, st.hidden_BD, tree)
         return rerank(pool, st.root_B, tree), dcache
 
-    def verify(tp, st, t, *, tm):
+    def verify(tp, st, t, *, tm, aux=()):
+        """(the features the draft's catch-up reads -- EAGLE-3: the aux layers' --, logits, cache)."""
         pos = st.tcache.length[:, None] + t.depths_BN
-        feats, tcache = target_apply(tm, tp, t.tokens_BN, pos, st.tcache, t.ancestors_BNN)
-        return feats, target_logits(tm, tp, feats), tcache
+        out = target_apply(tm, tp, t.tokens_BN, pos, st.tcache, t.ancestors_BNN, aux_layers=aux)
+        return (out[2] if aux else out[0]), target_logits(tm, tp, out[0]), out[1]
 
     def accept(tp, dp, st, t, feats, logits, tcache, dcache, *, tm, dm, tree):
         C = tree.max_accept
@@ -148,7 +149,7 @@ def _parts():
         return eagle_round(tm, tp, dm, dp, st, SamplingConfig(), tree)
 
     return (jax.jit(draft, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",)),
-            jax.jit(verify, static_argnames=("tm",), donate_argnames=("st",)),
+            jax.jit(verify, static_argnames=("tm", "aux"), donate_argnames=("st",)),
             jax.jit(accept, static_argnames=("tm", "dm", "tree"), donate_argnames=("st", "tcache", "dcache")),
             jax.jit(round_, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",)))
 
@@ -215,10 +216,11 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
                    draft_ms=None, verify_ms=None, accept_ms=None)
         if parts == "all":
             t, dcache = p_draft(tp, dp, fresh_copy(st), tm=tm, dm=dm, tree=tree)
-            feats, logits, tcache = p_verify(tp, fresh_copy(st), t, tm=tm)
+            feats, logits, tcache = p_verify(tp, fresh_copy(st), t, tm=tm, aux=dm.aux_layers)
             row.update(draft_ms=_best(lambda s_: p_draft(tp, dp, s_, tm=tm, dm=dm, tree=tree),
                                       lambda: (fresh_copy(st),), repeats),
-                       verify_ms=_best(lambda s_: p_verify(tp, s_, t, tm=tm), lambda: (fresh_copy(st),), repeats),
+                       verify_ms=_best(lambda s_: p_verify(tp, s_, t, tm=tm, aux=dm.aux_layers), lambda: (fresh_copy(st),),
+                                       repeats),
                        accept_ms=_best(lambda s_, tc, dc: p_accept(tp, dp, s_, t, feats, logits, tc, dc, tm=tm,
                                                                    dm=dm, tree=tree),
                                        lambda: fresh_copy((st, tcache, dcache)), repeats))
