@@ -66,7 +66,9 @@ def parse(argv=None):
     an.add_argument("--analytic", action="store_true", help="report bytes / FLOPs / kernels and the roofline instead of timing")
     an.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (with --max-new-tokens: the cache bucket)")
     an.add_argument("--tau", type=float, default=4.5, help="tokens per round for the roofline speedup")
-    an.add_argument("--accelerator", default="h200", help="h200, h100, a100, tpu-v5e, tpu-v6e")
+    from infer.analytic import ACCELERATORS
+    an.add_argument("--accelerator", default="h200", choices=sorted(ACCELERATORS),
+                    help="peak bandwidth and bf16 FLOP/s for the roofline (infer/analytic.py)")
     an.add_argument("--draft-vocab", type=int, default=32000,
                     help="draft vocabulary size (frequency-ranked ids; 0: the full vocabulary)")
     an.add_argument("--no-kernels", dest="kernels", action="store_false",
