@@ -23,7 +23,7 @@ from .cache import KVCache, advance, compact, init_cache
 from .config import SamplingConfig, TreeConfig
 from .draft import Draft, EagleDraft, check_compatible, draft_apply
 from .layers import causal_mask
-from .model import Llama, Target, target_apply, target_embed, target_logits
+from .model import Llama, Target, is_abstract, target_apply, target_embed, target_logits
 from .outputs import emit
 from .sampling import SamplingParams, row_keys, sample_rows, step_keys
 from .sharding import batch_multiple, constrain_cache
@@ -178,11 +178,6 @@ def start(target: Target, draft: Draft, prompts, *, max_new_tokens: int, tree: T
     return PREFILL(*args, **static), b
 
 
-def _is_abstract(params) -> bool:
-    leaves = jax.tree_util.tree_leaves(params)
-    return bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
-
-
 def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None, seed: int = 0,
              tree=None, stream: Optional[Callable[[int, list], None]] = None,
@@ -211,7 +206,7 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     sampling = SamplingConfig(temperature, top_k, top_p)
     if tree.top_k > target.config.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({target.config.vocab_size})")
-    if (target.abstract or _is_abstract(draft.params)) and not compile_only:
+    if (target.abstract or is_abstract(draft.params)) and not compile_only:
         raise ValueError("this target or draft has abstract params (shapes only): use compile_only=True")
     b, args, static = _program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
     st = run(PREFILL, LOOP, STREAM_STEP, args, static, (target.params, draft.params),

@@ -139,8 +139,7 @@ class Target:
     @property
     def abstract(self) -> bool:
         """Params are shapes only (jax.ShapeDtypeStruct): for compiling, not running."""
-        leaves = jax.tree_util.tree_leaves(self.params)
-        return bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
+        return is_abstract(self.params)
 
     @property
     def num_params(self) -> int:
@@ -148,6 +147,12 @@ class Target:
         for x in jax.tree_util.tree_leaves(self.params, is_leaf=lambda x: isinstance(x, dict) and "w" in x):
             total += x["w"].size if isinstance(x, dict) else x.size  # a backend's block leaf keeps "w"
         return total
+
+
+def is_abstract(params) -> bool:
+    """Whether a param tree holds shapes only (jax.ShapeDtypeStruct leaves)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    return bool(leaves) and isinstance(leaves[0], jax.ShapeDtypeStruct)
 
 
 def abstract_target_params(config: ModelConfig, dtype):
