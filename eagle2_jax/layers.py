@@ -56,14 +56,17 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotary embedding in Hugging Face's half-split convention, computed in float32."""
+    """Rotary embedding in Hugging Face's half-split convention, computed in float32:
+    x * [cos, cos] + [x2, x1] * [-sin, sin] (the same values as x1 cos - x2 sin, x2 cos + x1 sin,
+    with fewer ops over x)."""
     angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)[None, None]
-    cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, Dh/2]
-    sin = jnp.sin(angles)[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)  # [B, T, Dh/2]
+    cos2 = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
+    sin2 = jnp.concatenate([-sin, sin], axis=-1)[:, :, None, :]
     x = x_BTHD.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTHD.dtype)
+    half = x.shape[-1] // 2
+    swapped = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos2 + swapped * sin2).astype(x_BTHD.dtype)
 
 
 def rms_norm(ops: Ops, p, x, eps: float):

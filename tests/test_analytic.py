@@ -26,7 +26,10 @@ def test_analytic_report_counts_every_layer_and_writes_json(shape, tmp_path):
                     "--draft-vocab", "128", "--tau", "2.5", "--json", str(out)])
     r = json.loads(out.read_text())
     assert set(r) >= {"step", "round", "roofline"}
-    assert set(r["step"]) == {"bytes", "flops", "kernels"}
+    assert set(r["step"]) == {"bytes", "flops", "kernels", "bytes_by_kind"}
+    for c in (r["step"], r["round"], *r["round"]["parts"].values()):  # the breakdown accounts for the bytes
+        assert abs(sum(c["bytes_by_kind"].values()) - c["bytes"]) <= 0.05 * c["bytes"], c
+    assert r["ratios"]["matmul_bytes"] < r["ratios"]["bytes"]
     assert set(r["round"]["parts"]) == {"draft", "verify", "accept"}
     assert r["roofline"]["accelerator"] == "h200" and r["roofline"]["tau"] == 2.5
     assert r["round"]["bytes"] > r["step"]["bytes"] > 0 and r["round"]["kernels"] > r["step"]["kernels"] > 0
@@ -47,3 +50,20 @@ def test_analytic_bytes_grow_with_layers(shape):
     layer_weights = 4 * (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
                          + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
     assert b[6] - b[4] == b[4] - b[2] >= 2 * layer_weights, b
+
+
+def test_breakdown_counts_operands_and_results_by_kind():
+    import jax
+    import jax.numpy as jnp
+    from infer.analytic import breakdown
+
+    def f(x, w, table, ids):
+        y = jnp.maximum(x @ w, 0.0)  # matmul, then elementwise
+        return y.sum(axis=1), jnp.take(table, ids, axis=0)  # reduce; a gather reads its rows only
+    args = (jnp.zeros((8, 32)), jnp.zeros((32, 16)), jnp.zeros((1000, 16)), jnp.zeros((3,), jnp.int32))
+    lo = jax.jit(f).lower(*args)
+    k = breakdown(lo.as_text(dialect="hlo"))
+    assert k["matmul"] == 4 * (8 * 32 + 32 * 16 + 8 * 16)
+    assert k["reduce"] >= 4 * (8 * 16 + 8) and k["elementwise"] >= 4 * 3 * 8 * 16
+    assert k["data movement"] < 4 * 1000 * 16  # not the whole table
+    assert abs(sum(k.values()) - lo.cost_analysis()["bytes accessed"]) <= 0.1 * sum(k.values())

@@ -107,23 +107,26 @@ def test_bfloat16_params_close_to_float32():
     assert np.abs(a - b).max() < 0.05 * np.abs(a).max() + 0.05
 
 
-def test_half_precision_dense_accumulates_in_float32():
-    """bf16 Dense products accumulate in f32 and round once (not a bf16-output dot)."""
+def test_half_precision_dense_rounds_once():
+    """bf16 Dense products accumulate in f32 and round once: the accelerator path asks for a bf16
+    result (matrix units round on write), XLA:CPU's flavour for an f32 result and a rounding op;
+    both give the float32 product rounded to bf16."""
     import jax
-    from eagle2_jax.ops import XLA
+    from eagle2_jax.ops import XLA, XLA_CPU
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 300)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((300, 7)), jnp.bfloat16)
-    dims = (((1,), (0,)), ((), ()))
-    dot = lambda a, b, _dims: XLA.dense(a, b)  # noqa: E731
-    jaxpr = str(jax.make_jaxpr(lambda a, b: dot(a, b, dims))(x, w))
-    assert "preferred_element_type=float32" in jaxpr
-    y = dot(x, w, dims)
-    assert y.dtype == jnp.bfloat16
-    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    np.testing.assert_allclose(np.asarray(y, np.float64), exact, rtol=2 ** -8, atol=1e-6)
+    assert "preferred_element_type=bfloat16" in str(jax.make_jaxpr(XLA.dense)(x, w))
+    assert "preferred_element_type=float32" in str(jax.make_jaxpr(XLA_CPU.dense)(x, w))
+    f32 = np.asarray(jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest"))
+    for ops in (XLA, XLA_CPU):
+        y = ops.dense(x, w)
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(y, np.float64), f32, rtol=2 ** -8, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(XLA.dense(x, w), np.float32), np.asarray(XLA_CPU.dense(x, w), np.float32))
     x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)  # float32 operands: the plain product
-    np.testing.assert_array_equal(np.asarray(dot(x32, w32, dims)), np.asarray(jax.lax.dot_general(x32, w32, dims)))
+    dims = (((1,), (0,)), ((), ()))
+    np.testing.assert_array_equal(np.asarray(XLA.dense(x32, w32)), np.asarray(jax.lax.dot_general(x32, w32, dims)))
 
 
 def test_unknown_model_name():

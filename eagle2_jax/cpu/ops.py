@@ -60,6 +60,7 @@ def _stack_and_layer(w):
 @dataclasses.dataclass(frozen=True)
 class CpuOps(core_ops.Ops):
     name: str = "cpu"
+    f32_dot_outputs: bool = True
     attention: bool = True  # the attention kernel for float32 caches
 
     def weight(self, w):
