@@ -13,7 +13,9 @@ from .eagle import generate
 from .model import Target, forward, init_target
 from .sharding import make_mesh, parse_mesh
 from .vanilla import generate_vanilla
-# The CPU backend plugs in through ops.register (the core never imports it; see eagle2_jax.cpu).
+# Backends plug in through ops.register (the core never imports them): the Pallas attention kernel
+# (opt-in, eagle2_jax.pallas) is asked first, then the CPU backend (eagle2_jax.cpu).
+from . import pallas as _pallas  # noqa: E402,F401
 from . import cpu as _cpu  # noqa: E402,F401
 
 __all__ = [

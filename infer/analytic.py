@@ -137,7 +137,7 @@ _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "afte
          "partition-id", "replica-id", "opt-barrier"}
 _MOVES = {"slice", "dynamic-slice", "gather", "scatter", "dynamic-update-slice", "concatenate", "transpose",
           "broadcast", "pad", "reverse", "copy", "reshape"}
-KINDS = ("matmul", "reduce", "data movement", "elementwise")  # breakdown classes, in report order
+KINDS = ("matmul", "kernel", "reduce", "data movement", "elementwise")  # breakdown classes, in report order
 
 
 def _bytes(shape_text: str) -> int:
@@ -152,7 +152,7 @@ def _bytes(shape_text: str) -> int:
 
 def breakdown(hlo_text: str) -> dict:
     """Bytes of a pre-optimisation HLO module by instruction kind (matmul = dot / convolution,
-    reduce, data movement = slices, gathers, scatters, concatenations, transposes, broadcasts, reshapes,
+    kernel = custom calls (Pallas kernels: operands + results, all of the cache), reduce, data movement = slices, gathers, scatters, concatenations, transposes, broadcasts, reshapes,
     elementwise = the rest), each instruction's operands + result as XLA's cost analysis counts
     them (slices and gathers: the part read; updates: the part written), calls followed into their
     computations. An approximation of `cost_analysis()["bytes accessed"]` (within ~1% on our
@@ -190,7 +190,8 @@ def breakdown(hlo_text: str) -> dict:
                 read, res = 2 * (read - sizes.get(args[0], 0)), 0
             elif op == "scatter":  # updates read, read back and written, and the indices
                 read, res = 3 * sizes.get(args[2], 0) + sizes.get(args[1], 0), 0
-            kind = ("matmul" if op in ("dot", "convolution") else "reduce" if op.startswith("reduce")
+            kind = ("matmul" if op in ("dot", "convolution") else "kernel" if op == "custom-call"
+                    else "reduce" if op.startswith("reduce")
                     else "data movement" if op in _MOVES else "elementwise")
             out[kind] += read + res
     walk(entry)
@@ -213,8 +214,12 @@ def roofline_s(cost: dict, acc: dict) -> float:
 
 def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: int = 1, prompt_len: int = 64,
             max_new_tokens: int = 256, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
-            draft_vocab: int = 32000, tau: float = 4.5, accelerator: str = "h200", kernels: bool = True) -> dict:
-    """The report for one shape, batch and tree (see the module docstring)."""
+            draft_vocab: int = 32000, tau: float = 4.5, accelerator: str = "h200", kernels: bool = True,
+            attention: str = "xla") -> dict:
+    """The report for one shape, batch and tree (see the module docstring). attention="pallas":
+    the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered for the
+    accelerator's platform (GPU: Triton, TPU: Mosaic); the kernel is counted by its cost estimate
+    (every cache block read), and kernels are not counted (compiling needs the device)."""
     import jax
     import numpy as np
     import eagle2_jax as e2
@@ -234,31 +239,45 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, V, prompt_len).tolist() for _ in range(batch)]
     greedy = SamplingParams.of(SamplingConfig())
-    ops = analysis_ops(e2.ops.XLA)  # the accelerator path (GPU/TPU), whatever this machine would pick
+    if attention not in ("xla", "pallas"):
+        raise ValueError(f"unknown attention {attention!r}: xla or pallas")
+    platform = "tpu" if accelerator.startswith("tpu") else "cuda"
+    if attention == "pallas":
+        from eagle2_jax.pallas import PallasOps
+        base, kernels = PallasOps(backend="tpu" if platform == "tpu" else "gpu"), False
+    else:
+        base = e2.ops.XLA  # the accelerator path (GPU/TPU), whatever this machine would pick
+
+    def lower(jitted, *a, **kw):
+        if attention == "xla":
+            return jitted.lower(*a, **kw)
+        return jitted.trace(*a, **kw).lower(lowering_platforms=(platform,))
+    ops = analysis_ops(base)
     target = dataclasses.replace(target, ops=ops, params=unstack_layers(target.params))
     draft = dataclasses.replace(draft, ops=ops)
     tm, dm, tp, dp = target.module, draft.module, target.params, draft.params
 
     _, args, static = vanilla._program_inputs(target, prompts, max_new_tokens, None, 0, SamplingConfig())
-    pst = vanilla.PREFILL._jit.lower(*args, **static).out_info
-    step = _cost(vanilla.STEP._jit.lower(tp, pst, greedy, module=tm), kernels)
+    pst = lower(vanilla.PREFILL._jit, *args, **static).out_info
+    step = _cost(lower(vanilla.STEP._jit, tp, pst, greedy, module=tm), kernels)
 
     b, args, static = eagle._program_inputs(target, draft, prompts, max_new_tokens, None, 0, SamplingConfig(), tree)
-    est = eagle.PREFILL._jit.lower(*args, **static).out_info
+    est = lower(eagle.PREFILL._jit, *args, **static).out_info
     p_draft, p_verify, p_accept, p_round = _parts()
-    lo_draft = p_draft.lower(tp, dp, est, tm=tm, dm=dm, tree=tree)
+    lo_draft = lower(p_draft, tp, dp, est, tm=tm, dm=dm, tree=tree)
     t, dcache = lo_draft.out_info
-    lo_verify = p_verify.lower(tp, est, t, tm=tm, aux=dm.aux_layers)
+    lo_verify = lower(p_verify, tp, est, t, tm=tm, aux=dm.aux_layers)
     feats, logits, tcache = lo_verify.out_info
     parts = {"draft": _cost(lo_draft, kernels), "verify": _cost(lo_verify, kernels),
-             "accept": _cost(p_accept.lower(tp, dp, est, t, feats, logits, tcache, dcache, tm=tm, dm=dm, tree=tree),
+             "accept": _cost(lower(p_accept, tp, dp, est, t, feats, logits, tcache, dcache, tm=tm, dm=dm, tree=tree),
                              kernels)}
-    rnd = _cost(p_round.lower(tp, dp, est, tm=tm, dm=dm, tree=tree), kernels)
+    rnd = _cost(lower(p_round, tp, dp, est, tm=tm, dm=dm, tree=tree), kernels)
     acc = ACCELERATORS[accelerator]
     t_step, t_round = roofline_s(step, acc), roofline_s(rnd, acc)
     meta = dict(model=model, dtype=dtype, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                 cache_len=b.cache_len, tree=[depth, top_k, total_tokens], draft_vocab=int(min(draft_vocab or V, V)),
-                jax=jax.__version__, backend_for_kernels=jax.default_backend())
+                jax=jax.__version__, backend_for_kernels=jax.default_backend() if kernels else None,
+                attention=attention, lowered_for=jax.default_backend() if attention == "xla" else platform)
     # the same with only the matmuls' bytes: what the programs must read once a fusing compiler keeps
     # the elementwise, broadcast and reduce traffic on chip (a lower bound beside the upper one above)
     mm = lambda c: {"bytes": c["bytes_by_kind"]["matmul"], "flops": c["flops"]}  # noqa: E731

@@ -71,6 +71,10 @@ def parse(argv=None):
                     help="peak bandwidth and bf16 FLOP/s for the roofline (infer/analytic.py)")
     an.add_argument("--draft-vocab", type=int, default=32000,
                     help="draft vocabulary size (frequency-ranked ids; 0: the full vocabulary)")
+    an.add_argument("--attention", choices=["xla", "pallas"], default="xla",
+                    help="pallas: the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered "
+                         "for the accelerator's platform (Triton for GPUs, Mosaic for TPUs); the kernel counts by its "
+                         "cost estimate, kernels are not counted")
     an.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="skip compiling for kernel counts (bytes and FLOPs only)")
     an.add_argument("--json", default=None, help="write the report(s) as JSON")
@@ -85,7 +89,7 @@ def analytic_main(args):
             model = "random:smollm2-135m" if args.model == "smollm2-135m-instruct" else args.model  # shapes only
             r = analyze(model,
                         "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
-                        args.draft_vocab, args.tau, args.accelerator, args.kernels)
+                        args.draft_vocab, args.tau, args.accelerator, args.kernels, args.attention)
             print(format_report(r) + "\n", flush=True)
             reports.append(r)
     if args.json:

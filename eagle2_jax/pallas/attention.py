@@ -1,0 +1,121 @@
+"""Tree attention as one Pallas kernel: reads only the live blocks of the KV cache.
+
+`attend` (eagle2_jax.ops) on the XLA path materialises float32 scores over every cache slot,
+[B, K, S, G*T], and passes over them several times (mask, max, exp, sum, the value product); at a
+4K cache and batch 16 that is far more traffic than the cache itself. This kernel computes the
+same attention with an online softmax over cache blocks of `block` slots: each (row, key/value
+head) program walks only the blocks up to the last slot its mask allows (committed prefix and
+scratch), then the call's own new keys under the tree mask, and writes [T, Dh] per query head.
+Scores never leave the chip.
+
+Same arguments and result as `Ops.attend`; query rows are padded to a power of two (at least 16,
+the smallest matrix-unit tile), cache slots to a multiple of the block. Runs as Triton on GPU,
+Mosaic on TPU, and in interpret mode anywhere (tests on CPU compare it with the XLA path).
+
+Shapes: B batch, T new tokens (Tp padded), S cache slots, H query heads, K key/value heads,
+G = H // K, Dh head dim, N live blocks per row.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+NEG_INF = -1e30  # as eagle2_jax.ops
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _kernel(nblocks_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, maskn_ref, o_ref, *, G, block):
+    f32 = jnp.float32
+    n = nblocks_ref[pl.program_id(0)]
+
+    def update(q, carry, k, v, keep):
+        top, total, acc = carry
+        s = jnp.where(keep, lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=f32), NEG_INF)
+        new_top = jnp.maximum(top, jnp.max(s, axis=1))
+        p = jnp.exp(s - new_top[:, None])
+        shrink = jnp.exp(top - new_top)
+        acc = acc * shrink[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=f32)
+        return new_top, total * shrink + jnp.sum(p, axis=1), acc
+
+    for g in range(G):  # the G query heads sharing this key/value head
+        q = q_ref[g]  # [Tp, Dh]
+        Tp, Dh = q.shape
+        # scaled in float32, then the cache's dtype: the query rows attend_xla forms
+        q = (q.astype(f32) * (1.0 / math.sqrt(Dh))).astype(k_ref.dtype)
+
+        def body(i, carry, q=q):
+            start = pl.multiple_of(i * block, block)
+            k = k_ref[pl.ds(start, block), :]
+            v = v_ref[pl.ds(start, block), :]
+            return update(q, carry, k, v, mask_ref[:, pl.ds(start, block)] != 0)
+        carry = (jnp.full((Tp,), NEG_INF, f32), jnp.zeros((Tp,), f32), jnp.zeros((Tp, Dh), f32))
+        carry = lax.fori_loop(0, n, body, carry)
+        _, total, acc = update(q, carry, kn_ref[...], vn_ref[...], maskn_ref[...] != 0)
+        o_ref[g] = (acc / total[:, None]).astype(o_ref.dtype)
+
+
+def live_blocks(mask_BTS, block: int) -> jax.Array:
+    """[B] int32: cache blocks up to the last slot any query of the row may see."""
+    S = mask_BTS.shape[-1]
+    seen = jnp.any(mask_BTS, axis=1)  # [B, S]
+    last = jnp.max(jnp.where(seen, jnp.arange(1, S + 1, dtype=jnp.int32)[None], 0), axis=1, initial=0)
+    return (last + block - 1) // block
+
+
+@functools.partial(jax.jit, static_argnames=("block", "backend"))
+def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, *,
+                   block: int = 128, backend: str = "interpret"):
+    """`Ops.attend` as one kernel. backend: "gpu" (Triton), "tpu" (Mosaic) or "interpret"."""
+    B, T, H, Dh = q_BTHD.shape
+    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    G = H // K
+    Tp = _pow2_at_least(T, 16)
+    block = min(block, _pow2_at_least(S, 16))
+    Sp = max(pl.cdiv(S, block), 1) * block  # an empty cache (a prefill's view) gets one masked block
+    dt = k_BKSD.dtype
+    q = q_BTHD.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, Tp - T), (0, 0)))  # [B, K, G, Tp, Dh], scaled in the kernel
+    mask = jnp.pad(mask_BTS, ((0, 0), (0, Tp - T), (0, Sp - S))).astype(jnp.int32)  # [B, Tp, Sp]
+    if Sp != S:  # small caches only: buckets are multiples of the block
+        k_BKSD = jnp.pad(k_BKSD, ((0, 0), (0, 0), (0, Sp - S), (0, 0)))
+        v_BKSD = jnp.pad(v_BKSD, ((0, 0), (0, 0), (0, Sp - S), (0, 0)))
+    pad_new = ((0, 0), (0, 0), (0, Tp - T), (0, 0))
+    kn, vn = jnp.pad(k_new_BKTD.astype(dt), pad_new), jnp.pad(v_new_BKTD.astype(dt), pad_new)
+    mask_new = jnp.pad(mask_new_BTT, ((0, 0), (0, Tp - T), (0, Tp - T))).astype(jnp.int32)  # [B, Tp, Tp]
+    nblocks = live_blocks(mask_BTS, block)
+
+    row = lambda *shape: pl.BlockSpec((None,) + shape, lambda b, h: (b,) + (0,) * len(shape))  # noqa: E731
+    head = lambda *shape: pl.BlockSpec((None, None) + shape, lambda b, h: (b, h) + (0,) * len(shape))  # noqa: E731
+    if backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        scalars, params = pl.BlockSpec(memory_space=pltpu.SMEM), None
+    else:
+        scalars = pl.BlockSpec((B,), lambda b, h: (0,))
+        params = None
+        if backend == "gpu":
+            from jax.experimental.pallas import triton as pltriton
+            params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    live = B * K * (Sp * Dh * 2 * jnp.dtype(dt).itemsize)  # an upper bound: every block live
+    cost = pl.CostEstimate(flops=4 * B * H * Tp * (Sp + Tp) * Dh, transcendentals=B * H * Tp * (Sp + Tp),
+                           bytes_accessed=live + q.size * q.dtype.itemsize * 2 + mask.size * 4)
+    out = pl.pallas_call(
+        functools.partial(_kernel, G=G, block=block),
+        grid=(B, K),
+        in_specs=[scalars, head(G, Tp, Dh), head(Sp, Dh), head(Sp, Dh), row(Tp, Sp), head(Tp, Dh), head(Tp, Dh),
+                  row(Tp, Tp)],
+        out_specs=head(G, Tp, Dh),
+        out_shape=jax.ShapeDtypeStruct((B, K, G, Tp, Dh), q_BTHD.dtype),
+        interpret=backend == "interpret",
+        compiler_params=params,
+        cost_estimate=cost,
+        name="tree_attention",
+    )(nblocks, q, k_BKSD, v_BKSD, mask, kn, vn, mask_new)
+    return out[:, :, :, :T].transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
