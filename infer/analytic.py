@@ -14,7 +14,10 @@ it is read when XLA fuses the scan's per-layer slice into the matmul, instead of
 (slice read, slice written, slice read). The programs that run keep the rolled scan over stacked
 weights. The stacked KV cache is still sliced per layer, as the program does. Kernels: instructions of the
 program XLA compiles for this machine's backend (fusions, library calls, copies; not parameters,
-constants, tuples or bitcasts): a proxy for GPU/TPU launches, whose fusion choices differ. (The
+constants, tuples or bitcasts): a proxy for GPU/TPU launches, whose fusion choices differ. They are
+counted on the programs with float32 dot outputs rounded by a second op (`Ops.f32_dot_outputs`,
+which XLA:CPU fuses into the consumer), since XLA:CPU splits the bf16-output dots of the
+accelerator path into extra conversion kernels that a GPU/TPU matrix unit does not need. (The
 compiled program's own cost analysis is not reported: XLA:CPU widens bf16 weights to float32 before
 its dots, so its bytes say nothing about an accelerator.)
 
@@ -252,26 +255,34 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         if attention == "xla":
             return jitted.lower(*a, **kw)
         return jitted.trace(*a, **kw).lower(lowering_platforms=(platform,))
-    ops = analysis_ops(base)
-    target = dataclasses.replace(target, ops=ops, params=unstack_layers(target.params))
-    draft = dataclasses.replace(draft, ops=ops)
-    tm, dm, tp, dp = target.module, draft.module, target.params, draft.params
+    target0, draft0 = dataclasses.replace(target, params=unstack_layers(target.params)), draft
 
-    _, args, static = vanilla._program_inputs(target, prompts, max_new_tokens, None, 0, SamplingConfig())
-    pst = lower(vanilla.PREFILL._jit, *args, **static).out_info
-    step = _cost(lower(vanilla.STEP._jit, tp, pst, greedy, module=tm), kernels)
-
-    b, args, static = eagle._program_inputs(target, draft, prompts, max_new_tokens, None, 0, SamplingConfig(), tree)
-    est = lower(eagle.PREFILL._jit, *args, **static).out_info
-    p_draft, p_verify, p_accept, p_round = _parts()
-    lo_draft = lower(p_draft, tp, dp, est, tm=tm, dm=dm, tree=tree)
-    t, dcache = lo_draft.out_info
-    lo_verify = lower(p_verify, tp, est, t, tm=tm, aux=dm.aux_layers)
-    feats, logits, tcache = lo_verify.out_info
-    parts = {"draft": _cost(lo_draft, kernels), "verify": _cost(lo_verify, kernels),
-             "accept": _cost(lower(p_accept, tp, dp, est, t, feats, logits, tcache, dcache, tm=tm, dm=dm, tree=tree),
-                             kernels)}
-    rnd = _cost(lower(p_round, tp, dp, est, tm=tm, dm=dm, tree=tree), kernels)
+    def lower_all(base):
+        """The lowered step and round parts with `base` ops (layers unrolled for the analysis)."""
+        ops = analysis_ops(base)
+        target, draft = dataclasses.replace(target0, ops=ops), dataclasses.replace(draft0, ops=ops)
+        tm, dm, tp, dp = target.module, draft.module, target.params, draft.params
+        _, args, static = vanilla._program_inputs(target, prompts, max_new_tokens, None, 0, SamplingConfig())
+        pst = lower(vanilla.PREFILL._jit, *args, **static).out_info
+        b, args, static = eagle._program_inputs(target, draft, prompts, max_new_tokens, None, 0, SamplingConfig(), tree)
+        est = lower(eagle.PREFILL._jit, *args, **static).out_info
+        p_draft, p_verify, p_accept, p_round = _parts()
+        lo = {"step": lower(vanilla.STEP._jit, tp, pst, greedy, module=tm),
+              "draft": lower(p_draft, tp, dp, est, tm=tm, dm=dm, tree=tree)}
+        t, dcache = lo["draft"].out_info
+        lo["verify"] = lower(p_verify, tp, est, t, tm=tm, aux=dm.aux_layers)
+        feats, logits, tcache = lo["verify"].out_info
+        lo["accept"] = lower(p_accept, tp, dp, est, t, feats, logits, tcache, dcache, tm=tm, dm=dm, tree=tree)
+        lo["round"] = lower(p_round, tp, dp, est, tm=tm, dm=dm, tree=tree)
+        return lo, b
+    lowered, b = lower_all(base)
+    cost = {k: _cost(lo, False) for k, lo in lowered.items()}
+    if kernels:  # counted on XLA:CPU's flavour of the same programs: bf16-output dots, which a GPU/TPU
+        # matrix unit writes in one kernel, cost XLA:CPU extra conversion kernels of its own
+        for k, lo in lower_all(dataclasses.replace(base, f32_dot_outputs=True))[0].items():
+            cost[k]["kernels"] = count_kernels(lo.compile().as_text())
+    step, rnd = cost["step"], cost["round"]
+    parts = {k: cost[k] for k in ("draft", "verify", "accept")}
     acc = ACCELERATORS[accelerator]
     t_step, t_round = roofline_s(step, acc), roofline_s(rnd, acc)
     meta = dict(model=model, dtype=dtype, batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens,

@@ -42,6 +42,9 @@ def parse(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (first turns only when > 1)")
+    ap.add_argument("--attention", choices=["xla", "pallas"], default="xla",
+                    help="pallas: attention as one Pallas kernel reading only the live cache blocks (GPU/TPU; "
+                         "eagle2_jax.pallas, not yet measured on a device, so not the default)")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="auto: float32 on CPU, bfloat16 on GPU/TPU")
     ap.add_argument("--no-packed", dest="packed", action="store_false",
@@ -149,6 +152,11 @@ def main(argv=None):
     if not questions:
         sys.exit("error: no questions selected")
     target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
+    from eagle2_jax import pallas
+    try:
+        target, _ = pallas.by_name(args.attention, target)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     tok = target.tokenizer
     if tok is None:
         sys.exit(f"error: {args.model} has no tokenizer (random weights?): time it with python -m infer.roundcost")

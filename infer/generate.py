@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--total-tokens", default=None,
                     help="EAGLE-2 tokens verified per round, root included (default from the head, else 60); "
                          "'auto' times rounds on this machine and picks the size with the best expected tokens/s")
+    ap.add_argument("--attention", choices=["xla", "pallas"], default="xla",
+                    help="pallas: attention as one Pallas kernel reading only the live cache blocks (GPU/TPU; "
+                         "eagle2_jax.pallas, not yet measured on a device, so not the default)")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="parameter and cache dtype; auto: float32 on CPU, bfloat16 on GPU/TPU")
     ap.add_argument("--no-packed", dest="packed", action="store_false",
@@ -106,6 +109,8 @@ def main(argv=None):
                 draft = load_draft(name, target, dtype=args.draft_dtype, draft_vocab=not args.full_draft_vocab)
         if args.mode == "eagle" and draft is None:
             raise CheckpointError(f"--mode eagle needs a draft head: none is shipped for {args.model!r}; pass --draft")
+        from eagle2_jax import pallas
+        target, draft = pallas.by_name(args.attention, target, draft)
         load_s = time.perf_counter() - t0
     except (CheckpointError, ValueError) as e:
         sys.exit(f"error: {e}")

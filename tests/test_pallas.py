@@ -12,6 +12,9 @@ from eagle2_jax.ops import attend_xla
 from eagle2_jax.pallas.attention import live_blocks, tree_attention
 from helpers import tiny_config
 
+# the kernel as this machine runs it: interpret mode on a CPU, Triton / Mosaic on a GPU / TPU
+BACKEND = "interpret" if jax.default_backend() == "cpu" else ("tpu" if jax.default_backend() == "tpu" else "gpu")
+
 
 def _inputs(rng, B, T, H, K, S, Dh, dtype, lengths, scratch=0):
     """Committed prefix per row (lengths), `scratch` slots after it seen by some queries only, and a
@@ -35,14 +38,14 @@ def test_kernel_equals_xla_attention(B, T, H, K, S, Dh, lengths, scratch):
     args = _inputs(np.random.default_rng(S + T), B, T, H, K, S, Dh, jnp.float32, lengths, scratch)
     want = attend_xla(*args)
     for block in (16, 128):
-        got = tree_attention(*args, block=block)
+        got = tree_attention(*args, block=block, backend=BACKEND)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
 
 
 def test_kernel_bfloat16_and_live_blocks():
     args = _inputs(np.random.default_rng(0), 2, 6, 4, 2, 256, 32, jnp.bfloat16, [100, 3], 4)
     want = np.asarray(attend_xla(*args), np.float32)
-    got = np.asarray(tree_attention(*args, block=32), np.float32)
+    got = np.asarray(tree_attention(*args, block=32, backend=BACKEND), np.float32)
     np.testing.assert_allclose(got, want, atol=1.6e-2, rtol=1.6e-2)  # bf16 output rounding
     # the walk stops at the last slot any query may see: committed + the scratch in use
     assert live_blocks(args[3], 32).tolist() == [int(np.ceil((args[3][0].any(0).nonzero()[0].max() + 1) / 32)), 1]
@@ -52,7 +55,7 @@ def test_kernel_bfloat16_and_live_blocks():
 def test_generation_with_the_kernel_is_lossless(arch):
     t = e2.init_target(tiny_config(num_hidden_layers=3), 0)
     d = e2.init_draft(t, 1, arch=arch) if arch == "eagle3" else e2.init_draft(t, 1)
-    tk, dk = pallas.use(t, d, backend="interpret")
+    tk, dk = pallas.use(t, d, backend=BACKEND)
     assert tk.ops.name == "pallas" and dk.ops == tk.ops
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     plain = e2.generate_vanilla(t, prompts, max_new_tokens=20).tokens

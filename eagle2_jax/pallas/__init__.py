@@ -62,6 +62,18 @@ def use(target, draft=None, backend: Optional[str] = None):
     return (target, None if draft is None else dataclasses.replace(draft, ops=ops))
 
 
+def by_name(attention: str, target, draft=None):
+    """The command lines' --attention: "xla" (as loaded) or "pallas" (the kernel; needs a GPU/TPU)."""
+    if attention in ("xla", "auto"):
+        return target, draft
+    if attention != "pallas":
+        raise ValueError(f"--attention {attention!r}: xla or pallas")
+    if _backend() == "interpret":
+        raise ValueError(f"--attention pallas needs a GPU or TPU (this is {jax.default_backend()}; "
+                         f"{SWITCH}=pallas-interpret runs the kernel in interpret mode, slowly)")
+    return use(target, draft)
+
+
 def choose(params, dtype, mesh=None):
     """PallasOps when EAGLE2_JAX_ATTENTION asks for it (and the backend runs Pallas), else None."""
     want = os.environ.get(SWITCH, "")
