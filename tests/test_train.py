@@ -281,3 +281,14 @@ def test_eagle3_training_lowers_loss_resumes_and_exports_the_published_layout(ti
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=2e-2, rtol=2e-2)
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     assert generate(t, d, prompts, max_new_tokens=16).tokens == generate_vanilla(t, prompts, max_new_tokens=16).tokens
+
+
+def test_eagle3_head_starts_from_the_targets_head():
+    from eagle2_jax import init_draft, init_target
+    from helpers import tiny_config
+    t = init_target(tiny_config(tie_word_embeddings=True), 0)
+    vocab = np.array([3, 5, 17, 40])
+    d = init_draft(t, 1, arch="eagle3", draft_vocab_size=len(vocab))
+    got = tdraft.eagle3_head_from_target(t, vocab, d.params)
+    np.testing.assert_array_equal(np.asarray(got["lm_head"]), np.asarray(t.params["embed"]).T[:, vocab])
+    np.testing.assert_array_equal(np.asarray(got["norm"]["scale"]), np.asarray(t.params["norm"]["scale"]))

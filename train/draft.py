@@ -21,7 +21,9 @@ the log then also reports acc_k, the top-1 accuracy k steps into the draft's own
 (the feature cache holds them beside the final features), the head's own LM head over the draft
 vocabulary (`draft_vocab`, sorted ids; d2t from them), the cross-entropy alone (v_weight, p_weight and
 noise are EAGLE-2's), the training-time test with `rollout` steps (the paper uses 7), and the export
-in the published EAGLE-3 layout.
+in the published EAGLE-3 layout. `eagle3_head_init: target` (the default; `random` for the
+initialiser's rows) starts the head's final norm and LM head from the target's (its LM head columns
+of the draft vocabulary).
 With `init_from` (a head to continue from), that head is evaluated on the held-out examples before
 the first step (step 0 in the log), the baseline the run's later evaluations compare against.
 """
@@ -44,7 +46,7 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
                 heldout_examples=32, seed=0, mesh=None, log_every=10, ckpt_every=50, eval_every=200,
                 eval_tau_prompts=4, eval_tau_tokens=64, tree=dict(depth=5, top_k=10, total_tokens=60),
                 init_from=None, feature_cache=True, draft_vocab=None, feature_batch=8, rollout=1,
-                rollout_decay=0.8, arch="eagle2")
+                rollout_decay=0.8, arch="eagle2", eagle3_head_init="target")
 
 
 def load_config(argv=None) -> dict:
@@ -145,6 +147,19 @@ def make_optimizer(cfg):
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg["weight_decay"])), sched
 
 
+def eagle3_head_from_target(target, vocab, params) -> dict:
+    """An EAGLE-3 head's final norm and LM head [D, Vd] copied from the target's (final norm, LM head
+    columns of the draft vocabulary, ascending ids): the head starts out ranking tokens the way the
+    target would from a feature like its own last one, instead of from random rows."""
+    import jax.numpy as jnp
+    tp = target.params
+    w = target.ops.weight(tp["embed"]).T if target.config.tie_word_embeddings else target.ops.weight(tp["lm_head"])
+    lm = jnp.take(jnp.asarray(w), jnp.asarray(vocab), axis=1).astype(params["lm_head"].dtype)
+    # a copy: training donates the head's params, which must not free the target's buffer
+    scale = jnp.array(target.ops.weight(tp["norm"]["scale"]), params["norm"]["scale"].dtype, copy=True)
+    return {"lm_head": lm, "norm": {"scale": scale}}
+
+
 def build_step(tmodule, dmodule, opt, cfg, fixed=None):
     """Jitted (train step, eval). The train step takes features [B, T, D] (from the cache) or
     None (computed inside by the target), and the draft-vocabulary ids or None. `fixed`: params
@@ -229,6 +244,8 @@ def main(argv=None):
     print(f"{len(train)} training examples from {', '.join(dirs)}; {len(heldout)} held out")
     if cfg["arch"] not in ("eagle2", "eagle3"):
         sys.exit(f"error: arch must be eagle2 or eagle3, got {cfg['arch']!r}")
+    if cfg["eagle3_head_init"] not in ("target", "random"):
+        sys.exit(f"error: eagle3_head_init must be target or random, got {cfg['eagle3_head_init']!r}")
     target = load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)
     os.makedirs(cfg["out"], exist_ok=True)
     vocab = resolve_vocab(cfg["draft_vocab"], train, cfg["out"])
@@ -236,6 +253,8 @@ def main(argv=None):
         vocab = np.sort(vocab) if vocab is not None else np.arange(target.config.vocab_size)
         draft = init_draft(target, cfg["seed"], arch="eagle3", draft_vocab_size=len(vocab))
         draft.params = {**draft.params, "d2t": jax.numpy.asarray(vocab - np.arange(len(vocab)), jax.numpy.int32)}
+        if cfg["eagle3_head_init"] == "target":  # start from the target's own head over the draft vocabulary
+            draft.params = {**draft.params, **eagle3_head_from_target(target, vocab, draft.params)}
     else:
         draft = init_draft(target, cfg["seed"])
     if cfg["init_from"]:
