@@ -7,7 +7,7 @@ import pytest
 from eagle2_jax import ModelConfig, init_target
 from eagle2_jax.cpu import kernels as few_rows
 from eagle2_jax.cpu.ops import ATTENTION_SWITCH, KERNELS_SWITCH, CpuOps
-from eagle2_jax.ops import XLA, attend_xla
+from eagle2_jax.ops import XLA_CPU, attend_xla
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not few_rows.load(),
                                 reason="few-row kernel is for XLA:CPU and needs a C++ compiler")
@@ -91,14 +91,14 @@ def test_target_uses_the_kernel_on_one_device_only(monkeypatch):
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     t = init_target(cfg)
     assert isinstance(t.module.ops, CpuOps)
-    assert init_target(cfg, dtype="bfloat16").ops is XLA  # float32 only
+    assert init_target(cfg, dtype="bfloat16").ops is XLA_CPU  # float32 only: else XLA as XLA:CPU runs it
     monkeypatch.setenv(KERNELS_SWITCH, "0")  # read when the target is made, then part of the compile key
-    assert init_target(cfg).ops is XLA
+    assert init_target(cfg).ops is XLA_CPU
     monkeypatch.delenv(KERNELS_SWITCH)
     if len(jax.devices()) >= 2:  # params sharded over a mesh keep XLA's dot
         from eagle2_jax import make_mesh
         sharded = init_target(cfg, mesh=make_mesh(model=2, devices=jax.devices()[:2]))
-        assert sharded.ops is XLA
+        assert sharded.ops is XLA_CPU
 
 
 @pytest.mark.parametrize("rows", [1, 5])

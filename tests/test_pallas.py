@@ -102,3 +102,12 @@ def test_switch(monkeypatch):
     assert e2.init_target(tiny_config(), 0).ops.name != "pallas"
     monkeypatch.setenv(pallas.SWITCH, "pallas-interpret")
     assert e2.init_target(tiny_config(), 0).ops == pallas.PallasOps(backend="interpret")
+
+
+def test_long_calls_keep_the_xla_attention():
+    """A prefill (more than max_new new tokens) is not the kernel's: its [T, T] block would not fit."""
+    ops = pallas.PallasOps(backend="interpret", max_new=4)
+    args = _inputs(np.random.default_rng(1), 1, 6, 4, 2, 16, 8, jnp.float32, [5])
+    text = str(jax.make_jaxpr(ops.attend)(*args))
+    assert "pallas_call" not in text
+    assert "pallas_call" in str(jax.make_jaxpr(pallas.PallasOps(backend="interpret", max_new=8).attend)(*args))

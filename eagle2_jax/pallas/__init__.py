@@ -2,7 +2,8 @@
 
 `PallasOps` is the XLA path with `attend` replaced by one tree-attention kernel that reads only
 the live blocks of the KV cache (`attention.tree_attention`: Triton on GPU, Mosaic on TPU,
-interpret mode elsewhere). Opt-in until measured on a GPU/TPU:
+interpret mode elsewhere) for calls of up to `max_new` new tokens (decoding steps, tree
+verification, drafting); a prefill keeps the XLA attention. Opt-in until measured on a GPU/TPU:
 
     EAGLE2_JAX_ATTENTION=pallas python -m infer.generate ...      # GPU or TPU
     target, draft = eagle2_jax.pallas.use(target, draft)          # the same, in code
@@ -36,8 +37,12 @@ class PallasOps(core_ops.Ops):
     block: int = 128  # cache slots per kernel step
     mesh: Optional[Any] = None  # run the kernel per shard of this mesh
 
+    max_new: int = 128  # calls with more new tokens (prefill) keep the XLA attention
+
     def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
         args = (q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT)
+        if q_BTHD.shape[1] > self.max_new:  # the kernel holds the new tokens' [T, T] block whole
+            return core_ops.attend_xla(*args)
         run = lambda *a: tree_attention(*a, block=self.block, backend=self.backend)  # noqa: E731
         if self.mesh is None or self.mesh.size == 1:
             return run(*args)
