@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # EAGLE-3 head vs EAGLE-2 head (issue 23): acceptance with the reference tree 5/10/60 and CPU speed.
 # Each step writes under runs/bench/<version>/; rerunning skips steps whose results exist.
-# usage: bash scripts/measure_eagle3.sh <eagle3 head dir> [version] [mt-bench limit]
+# usage: bash scripts/measure_eagle3.sh <eagle3 head dir> [version] [mt-bench limit]   (Q=16: HumanEval / GSM8K limit)
 set -u
 cd "$(dirname "$0")/.."
 E3=${1:?usage: measure_eagle3.sh <eagle3 head dir> [version] [limit]}
@@ -30,18 +30,18 @@ for h in e3 e2; do
   run $V/tau_mt_bench_t1_$h python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit $N --methods eagle \
       --draft $D $REF --temperature 1.0 --seed 0 --out $B/tau_mt_bench_t1_$h
 done
-for q in humaneval gsm8k; do
-  for h in e3 e2; do
-    D=$E3; [ $h = e2 ] && D=$E2
-    run $V/tau_${q}_t0_$h python -m infer.bench --questions $EVAL/$q.jsonl --limit 16 --methods eagle --draft $D \
-        $REF --out $B/tau_${q}_t0_$h
-  done
-done
 # CPU speed, batch 1, each head's CPU tree (its tree.json), interleaved: e2, e3, e2, e3
 for i in 1 2; do
   for h in e2 e3; do
     D=$E3; [ $h = e2 ] && D=$E2
     run $V/speed_${h}_$i python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 20 --methods plain,eagle \
         --draft $D --max-new-tokens 256 --out $B/speed_${h}_$i
+  done
+done
+for q in humaneval gsm8k; do
+  for h in e3 e2; do
+    D=$E3; [ $h = e2 ] && D=$E2
+    run $V/tau_${q}_t0_$h python -m infer.bench --questions $EVAL/$q.jsonl --limit ${Q:-16} --methods eagle --draft $D \
+        $REF --out $B/tau_${q}_t0_$h
   done
 done
