@@ -10,14 +10,8 @@ N=${3:-80}
 E2=eagle2_jax/heads/smollm2-135m-instruct
 EVAL=../shared/data/eval
 B=runs/bench/$V
-run() {  # name, then the command
-  local name=$1; shift
-  if [ -f "runs/bench/$name.done" ]; then echo "skip $name"; return; fi
-  mkdir -p "runs/bench/$(dirname "$name")"
-  echo "== $name: $*"; local t0=$(date +%s)
-  "$@" > "runs/bench/$name.log" 2>&1 && touch "runs/bench/$name.done"
-  echo "   $(( $(date +%s) - t0 ))s"; tail -n 8 "runs/bench/$name.log"
-}
+RUN_TAIL=8
+source scripts/run_step.sh  # run NAME CMD...
 REF="--depth 5 --top-k 10 --total-tokens 60 --max-new-tokens 256 --batch 16"
 # acceptance, T = 0: both heads on the same questions (plain decoding beside the EAGLE-3 head: greedy identity)
 run $V/tau_mt_bench_t0_e3 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit $N --methods plain,eagle \

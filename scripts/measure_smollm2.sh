@@ -6,14 +6,7 @@ set -u
 cd "$(dirname "$0")/.."
 H=eagle2_jax/heads/smollm2-135m-instruct
 EVAL=../shared/data/eval
-run() {  # name, then the command
-  local name=$1; shift
-  if [ -f "runs/bench/$name.done" ]; then echo "skip $name"; return; fi
-  mkdir -p "runs/bench/$(dirname "$name")"
-  echo "== $name: $*"; local t0=$(date +%s)
-  "$@" > "runs/bench/$name.log" 2>&1 && touch "runs/bench/$name.done"
-  echo "   $(( $(date +%s) - t0 ))s"; tail -n 12 "runs/bench/$name.log"
-}
+source scripts/run_step.sh  # run NAME CMD...
 V=${1:-v7}  # results go to runs/bench/$V (v2: head of 240d81e, v3: rollout-trained head, v4: same head after 30cee77,
             # v6: same head with the few-row CPU matmul kernel, v7: the run-3 head, twice the data,
             # v8/v9: the run-3 head on a second, AVX2-only machine; v9 ran speed_mt_bench80, batch4, batch16

@@ -51,10 +51,12 @@ def test_64_greedy_tokens_match_transformers_generate(smollm2, hf_model):
         assert o == ref[0, len(p):].tolist()
 
 
-@pytest.mark.skipif(not os.path.isdir(NAMED_DRAFTS["smollm2-135m-instruct"]), reason="no shipped head")
-def test_shipped_head_is_lossless(smollm2):
+@pytest.mark.parametrize("head", ["smollm2-135m-instruct", "smollm2-135m-instruct-eagle3"])
+def test_shipped_head_is_lossless(smollm2, head):
+    if not os.path.isdir(NAMED_DRAFTS[head]):
+        pytest.skip(f"no shipped head {head}")
     from eagle2_jax import load_draft
-    draft = load_draft("smollm2-135m-instruct", smollm2)
+    draft = load_draft(head, smollm2)
     prompts = [chat_ids(smollm2, c) for c in CHATS[:2]]
     eos = smollm2.config.eos_token_id
     ref = generate_vanilla(smollm2, prompts, max_new_tokens=48, eos_token_id=eos).tokens
