@@ -211,6 +211,183 @@ def _cost(lowered, kernels: bool) -> dict:
     return row
 
 
+# ---- after fusion: the programs compiled for a TPU without one (deviceless, libtpu) -------------
+
+TPU_TOPOLOGIES = {"tpu-v5e": "v5e:2x2", "tpu-v6e": "v6e:2x2"}  # the smallest host slice; one chip is used
+
+
+def tpu_placement(accelerator: str):
+    """A function that puts pytrees of arrays, as abstract arrays, on one chip of a TPU topology
+    described by libtpu, with no TPU attached: `jit(f).lower(*place(args)).compile()` then runs
+    XLA's TPU compiler here. Needs the `libtpu` wheel that matches jax, and JAX_PLATFORMS=cpu."""
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
+    if accelerator not in TPU_TOPOLOGIES:
+        raise ValueError(f"cannot compile for {accelerator!r}: one of {', '.join(TPU_TOPOLOGIES)}")
+    try:
+        topo = topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[accelerator], platform="tpu")
+    except Exception as e:  # no libtpu, or one that does not match jax
+        raise RuntimeError(f"compiling for {accelerator} needs libtpu (pip install 'jax[tpu]'): "
+                           f"{str(e).splitlines()[0]}") from None
+    one = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",)),
+                                     jax.sharding.PartitionSpec())
+
+    def place(tree):
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
+            if hasattr(x, "shape") and hasattr(x, "dtype") else x, tree)
+    return place
+
+
+def _libtpu_version() -> str:
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def _computations(hlo_text: str) -> dict:
+    comps, cur = {}, None
+    for line in hlo_text.splitlines():
+        s = line.strip()
+        if s.endswith("{") and " = " not in s:
+            name = s.split()[1] if s.startswith("ENTRY") else s.split()[0]
+            cur = comps.setdefault("ENTRY" if s.startswith("ENTRY") else name.lstrip("%"), [])
+        elif s == "}":
+            cur = None
+        elif cur is not None and (m := _INST.match(s)):
+            name, shape, op, rest = m.groups()
+            args = [a.strip().lstrip("%") for a in rest.split(")")[0].split(",") if a.strip()]
+            cur.append(dict(name=name, shape=shape, op=op, args=args, line=s))
+    return comps
+
+
+_LAYOUT_SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|u16|f32|s32|u32|f64|s64|u64)\[([0-9,]*)\](\{[^}]*\})?")
+
+
+def _hbm_bytes(shape_text: str) -> int:
+    """Bytes of the arrays in `shape_text` that live in HBM: not those a layout puts in another
+    memory space (`S(n)`: on TPU, S(1) is the core's vector memory, S(2) scalar memory)."""
+    total = 0
+    for dt, dims, layout in _LAYOUT_SHAPE.findall(shape_text):
+        if re.search(r"S\([1-9]\d*\)", layout or ""):
+            continue
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES[dt]
+    return total
+
+
+def hbm_traffic(hlo_text: str, top: int = 0) -> dict:
+    """HBM bytes and kernels of a compiled (optimised, fused, memory-space-assigned) HLO module:
+    each top-level instruction reads its operands and writes its result, as a fused kernel does,
+    counting only arrays in HBM (what the compiler placed in on-chip memory is free; the async
+    copies and slices that bring it there are charged as HBM reads). Inside a fusion, a parameter
+    only sliced is charged the slices; an in-place update (dynamic-update-slice into a parameter) is
+    charged the update, not the buffer; a gathered one, the rows gathered. While bodies count their known trip count
+    (`known_trip_count`; once if unknown), a conditional its largest branch, kernels included (so
+    kernels are those executed, not those in the text). Returns {"bytes", "kernels"}, and with
+    `top` > 0 "top": the `top` costliest instructions as (bytes, name, source op_name)."""
+    comps = _computations(hlo_text)
+    costs = []
+
+    def charge(ins, nbytes, times=1):
+        if top:
+            src = re.search(r'op_name="([^"]*)"', ins["line"])
+            costs.append((nbytes * times, ins["name"], src.group(1) if src else ins["op"]))
+        return nbytes
+
+    def through(comp, name):
+        """The uses of `name` inside `comp`, looking through bitcasts and bitcast-only fusions."""
+        uses = []
+        for ins in comps.get(comp, []):
+            if name not in ins["args"]:
+                continue
+            callee = re.search(r"calls=%?([\w.\-]+)", ins["line"])
+            trivial = ins["op"] == "bitcast" or (ins["op"] == "fusion" and callee and all(
+                i["op"] in ("parameter", "bitcast") for i in comps.get(callee.group(1), [])))
+            uses += through(comp, ins["name"]) if trivial else [(ins, ins["args"].index(name))]
+        return uses
+
+    def fusion_bytes(callee, operands, result_hbm):
+        body = comps.get(callee, [])
+        sizes = {i["name"]: _bytes(i["shape"]) for i in body}
+        total = 0
+        for ins in body:
+            if ins["op"] != "parameter":
+                continue
+            k = int(re.search(r"parameter\((\d+)\)", ins["line"]).group(1))
+            full = operands[k] if k < len(operands) else 0  # 0 when it is on chip
+            uses = through(callee, ins["name"])
+            part = lambda u, j: (u["op"] in ("slice", "dynamic-slice", "gather") and j == 0) or (  # noqa: E731
+                u["op"] == "fusion" and "kind=kLoop" in u["line"])  # a nested loop fusion reads what it writes
+            if uses and all(part(u, j) for u, j in uses):
+                total += min(full, sum(sizes[u["name"]] for u, _ in uses))
+            elif not (uses and all(u["op"] == "dynamic-update-slice" and j == 0 for u, j in uses)):
+                total += full  # (a buffer updated in place is not read: only the update is written)
+        if not body or not result_hbm:
+            return total + result_hbm
+        roots = [body[-1]]
+        if roots[0]["op"] == "tuple":
+            roots = [i for a in roots[0]["args"] for i in body if i["name"] == a]
+        written = sum(sizes.get(r["args"][1], 0) if r["op"] == "dynamic-update-slice" else sizes[r["name"]]
+                      for r in roots)
+        return total + min(written, result_hbm)
+
+    def walk(comp):
+        hbm, full, start_src, nbytes, kernels = {}, {}, {}, 0.0, 0
+        for ins in comps.get(comp, []):
+            name, op, line, args = ins["name"], ins["op"], ins["line"], ins["args"]
+            res = hbm[name] = _hbm_bytes(ins["shape"])
+            full[name] = _bytes(ins["shape"])
+            if op.endswith("-start"):  # charged when done: the source read (if in HBM), the result written
+                start_src[name] = hbm.get(args[0], 0) if args else 0
+                continue
+            if op.endswith("-done"):
+                moved = _bytes(ins["shape"])
+                nbytes += charge(ins, min(start_src.get(args[0], moved), moved) + res)
+                kernels += 1
+                continue
+            if op in _FREE:
+                continue
+            if op == "while":
+                n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                b, k = walk(re.search(r"body=%?([\w.\-]+)", line).group(1))
+                n = int(n.group(1)) if n else 1
+                nbytes, kernels = nbytes + b * n, kernels + k * n
+                continue
+            if op == "conditional":
+                names = re.search(r"branch_computations=\{([^}]*)\}", line)
+                names = [x.strip().lstrip("%") for x in names.group(1).split(",")] if names else [
+                    re.search(key + r"=%?([\w.\-]+)", line).group(1) for key in ("true_computation", "false_computation")]
+                costs = [walk(c) for c in names]
+                nbytes, kernels = nbytes + max(c[0] for c in costs), kernels + max(c[1] for c in costs)
+                continue
+            if op == "call":
+                b, k = walk(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+                nbytes, kernels = nbytes + b, kernels + k
+                continue
+            kernels += 1
+            operands = [hbm.get(a, 0) for a in args]
+            if op == "fusion":
+                nbytes += charge(ins, fusion_bytes(re.search(r"calls=%?([\w.\-]+)", line).group(1), operands, res))
+            elif op in ("slice", "dynamic-slice"):
+                nbytes += charge(ins, min(operands[0], full[name]) + res)
+            elif op == "dynamic-update-slice":
+                nbytes += charge(ins, operands[1] + min(res, full.get(args[1], 0)))
+            else:
+                nbytes += charge(ins, sum(operands) + res)
+        return nbytes, kernels
+    b, k = walk("ENTRY")
+    out = {"bytes": b, "kernels": k}
+    if top:  # (a while body's instructions are listed once, at one trip's cost)
+        out["top"] = sorted(costs, reverse=True)[:top]
+    return out
+
+
 def roofline_s(cost: dict, acc: dict) -> float:
     return max(cost["bytes"] / acc["bytes_per_s"], cost["flops"] / acc["flops_per_s"])
 
@@ -218,7 +395,7 @@ def roofline_s(cost: dict, acc: dict) -> float:
 def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: int = 1, prompt_len: int = 64,
             max_new_tokens: int = 256, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
             draft_vocab: int = 32000, tau: float = 4.5, accelerator: str = "h200", kernels: bool = True,
-            attention: str = "xla") -> dict:
+            attention: str = "xla", compile_for: str | None = None) -> dict:
     """The report for one shape, batch and tree (see the module docstring). attention="pallas":
     the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered for the
     accelerator's platform (GPU: Triton, TPU: Mosaic); the kernel is counted by its cost estimate
@@ -251,14 +428,21 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     else:
         base = e2.ops.XLA  # the accelerator path (GPU/TPU), whatever this machine would pick
 
+    place = None  # lower_all(base, on=tpu_placement(...)): for a TPU, to compile without one
+
     def lower(jitted, *a, **kw):
+        if place is not None:  # abstract inputs on a TPU device: jit lowers and compiles for it
+            return jitted.lower(*place(a), **kw)
         if attention == "xla":
             return jitted.lower(*a, **kw)
         return jitted.trace(*a, **kw).lower(lowering_platforms=(platform,))
     target0, draft0 = dataclasses.replace(target, params=unstack_layers(target.params)), draft
 
-    def lower_all(base):
-        """The lowered step and round parts with `base` ops (layers unrolled for the analysis)."""
+    def lower_all(base, on=None):
+        """The lowered step and round parts with `base` ops (layers unrolled for the analysis), for
+        this machine or (`on`, a tpu_placement) for a TPU."""
+        nonlocal place
+        place = on
         ops = analysis_ops(base)
         target, draft = dataclasses.replace(target0, ops=ops), dataclasses.replace(draft0, ops=ops)
         tm, dm, tp, dp = target.module, draft.module, target.params, draft.params
@@ -277,6 +461,14 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         return lo, b
     lowered, b = lower_all(base)
     cost = {k: _cost(lo, False) for k, lo in lowered.items()}
+    if compile_for:  # after XLA's TPU fusion: HBM traffic and kernels of the compiled programs
+        kernels = False
+        for k, lo in lower_all(base, on=tpu_placement(compile_for))[0].items():
+            exe = lo.compile()
+            ca = exe.cost_analysis()
+            ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+            cost[k]["compiled"] = {**hbm_traffic(exe.as_text()), "xla_bytes": float(ca.get("bytes accessed", 0.0)),
+                                   "xla_optimal_s": float(ca.get("optimal_seconds", 0.0))}
     if kernels:  # counted on XLA:CPU's flavour of the same programs: bf16-output dots, which a GPU/TPU
         # matrix unit writes in one kernel, cost XLA:CPU extra conversion kernels of its own
         for k, lo in lower_all(dataclasses.replace(base, f32_dot_outputs=True))[0].items():
@@ -293,7 +485,17 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     # the elementwise, broadcast and reduce traffic on chip (a lower bound beside the upper one above)
     mm = lambda c: {"bytes": c["bytes_by_kind"]["matmul"], "flops": c["flops"]}  # noqa: E731
     t_step_mm, t_round_mm = roofline_s(mm(step), acc), roofline_s(mm(rnd), acc)
-    return {"step": step, "round": {**rnd, "parts": parts},
+    out = {}
+    if compile_for:  # the fused programs' HBM bytes on the TPU they were compiled for, same FLOPs
+        tpu = ACCELERATORS[compile_for]
+        cb = lambda c: {"bytes": c["compiled"]["bytes"], "flops": c["flops"]}  # noqa: E731
+        t_step_c, t_round_c = roofline_s(cb(step), tpu), roofline_s(cb(rnd), tpu)
+        out["compiled"] = {"for": compile_for, "tau": tau, "step_ms": t_step_c * 1e3, "round_ms": t_round_c * 1e3,
+                           "speedup": tau * t_step_c / t_round_c,
+                           "bytes": rnd["compiled"]["bytes"] / step["compiled"]["bytes"],
+                           "kernels": rnd["compiled"]["kernels"] / step["compiled"]["kernels"]}
+        meta["compiled_with"] = "libtpu " + _libtpu_version()
+    return {**out, "step": step, "round": {**rnd, "parts": parts},
             "roofline": {"accelerator": accelerator, "tau": tau, "speedup": tau * t_step / t_round,
                          "step_ms": t_step * 1e3, "round_ms": t_round * 1e3,
                          "speedup_matmul_bytes": tau * t_step_mm / t_round_mm},
@@ -327,4 +529,15 @@ def format_report(r: dict) -> str:
               f"{rf['round_ms']:.3f} ms; at tau {rf['tau']}: speedup {rf['speedup']:.2f}x",
               f"matmul bytes only (elementwise, broadcast and reduce traffic fused away, as XLA on GPU/TPU "
               f"mostly does): round / step {r['ratios']['matmul_bytes']:.2f}x, speedup {rf['speedup_matmul_bytes']:.2f}x"]
+    if "compiled" in r:  # after XLA's TPU fusion and memory-space assignment
+        c = r["compiled"]
+        lines += ["", f"compiled by XLA for {ACCELERATORS[c['for']]['name']} ({m.get('compiled_with', '')}; "
+                      f"HBM bytes of the fused kernels, infer.analytic.hbm_traffic):",
+                  "", "| program | HBM bytes | kernels run | bytes / step |", "|---|---|---|---|"]
+        for name, row in [("plain step", step)] + [(f"round: {k}", v) for k, v in r["round"]["parts"].items()] + [
+                ("round", r["round"])]:
+            lines.append(f"| {name} | {gb(row['compiled']['bytes'])} | {row['compiled']['kernels']} | "
+                         f"{row['compiled']['bytes'] / step['compiled']['bytes']:.2f}x |")
+        lines += ["", f"round / step: bytes {c['bytes']:.2f}x, kernels {c['kernels']:.2f}x; roofline: step "
+                      f"{c['step_ms']:.3f} ms, round {c['round_ms']:.3f} ms; at tau {c['tau']}: speedup {c['speedup']:.2f}x"]
     return "\n".join(lines)

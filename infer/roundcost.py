@@ -20,7 +20,9 @@ With --analytic nothing runs: for each batch and tree size it prints per-round b
 kernel counts per part against one plain step, from XLA's cost analysis of the lowered programs
 with abstract params (no weights needed; bytes and FLOPs are the pre-optimisation
 `Lowered.cost_analysis()`, so CPU-only rewrites do not distort them), and the roofline speedup at
---tau on --accelerator (see infer/analytic.py); --json FILE writes it.
+--tau on --accelerator (see infer/analytic.py); --json FILE writes it. With --compile-for tpu-v5e
+the same programs are also compiled by XLA's TPU compiler on this machine (deviceless, libtpu), and
+the report adds what the fused programs move to and from HBM, and their kernels.
 """
 from __future__ import annotations
 
@@ -75,6 +77,10 @@ def parse(argv=None):
                     help="pallas: the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered "
                          "for the accelerator's platform (Triton for GPUs, Mosaic for TPUs); the kernel counts by its "
                          "cost estimate, kernels are not counted")
+    an.add_argument("--compile-for", choices=["tpu-v5e", "tpu-v6e"], default=None,
+                    help="also compile the programs with XLA's TPU compiler, here, with no TPU (libtpu matching jax: "
+                         "pip install 'jax[tpu]'; run with JAX_PLATFORMS=cpu), and report the fused programs' HBM "
+                         "traffic and kernels beside the pre-optimisation figures, and their roofline on that TPU")
     an.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="skip compiling for kernel counts (bytes and FLOPs only)")
     an.add_argument("--json", default=None, help="write the report(s) as JSON")
@@ -89,7 +95,8 @@ def analytic_main(args):
             model = "random:smollm2-135m" if args.model == "smollm2-135m-instruct" else args.model  # shapes only
             r = analyze(model,
                         "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
-                        args.draft_vocab, args.tau, args.accelerator, args.kernels, args.attention)
+                        args.draft_vocab, args.tau, args.accelerator, args.kernels and not args.compile_for,
+                        args.attention, args.compile_for)
             print(format_report(r) + "\n", flush=True)
             reports.append(r)
     if args.json:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The 8B round compiled by XLA's TPU compiler on this machine, with no TPU (deviceless, libtpu):
+# HBM bytes and kernels of the fused programs beside the pre-optimisation figures, for the shapes of
+# issue 22. Needs the libtpu wheel matching jax, best in its own environment so that nothing else
+# here tries the TPU backend:
+#   python -m venv --system-site-packages /tmp/tpuenv && /tmp/tpuenv/bin/pip install 'jax[tpu]'
+#   PY=/tmp/tpuenv/bin/python bash scripts/analytic_tpu.sh [out dir]
+# Resumable: a shape whose JSON exists is skipped. ~4 min per shape on 2 cores.
+set -euo pipefail
+PY=${PY:-python}
+OUT=${1:-runs/analytic_tpu}
+mkdir -p "$OUT"
+export JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=${TPU_ACCELERATOR_TYPE:-v6e-4} \
+       TPU_WORKER_HOSTNAMES=${TPU_WORKER_HOSTNAMES:-localhost} PYTHONPATH=${PYTHONPATH:-.}
+one() {  # name, then roundcost flags
+  local name=$1; shift
+  [[ -s "$OUT/$name.json" ]] && { echo "skip $name"; return; }
+  "$PY" -m infer.roundcost --analytic --model random:llama-3.1-8b --dtype bfloat16 --depth 5 --top-k 10 \
+      --max-new-tokens 256 --tau 4.5 --accelerator tpu-v6e --compile-for tpu-v6e "$@" \
+      --json "$OUT/$name.json.tmp" 2> "$OUT/$name.err" | tee "$OUT/$name.md"
+  mv "$OUT/$name.json.tmp" "$OUT/$name.json"
+}
+one b1_p64_n60 --batch 1 --prompt-len 64 --total-tokens 60
+one b1_p4k_n60 --batch 1 --prompt-len 4096 --total-tokens 60
+one b1_p64_n60_pallas --batch 1 --prompt-len 64 --total-tokens 60 --attention pallas
+one b1_p4k_n60_pallas --batch 1 --prompt-len 4096 --total-tokens 60 --attention pallas
+one b4_p64 --batch 4 --prompt-len 64 --total-tokens 16,60
+one b16_p64 --batch 16 --prompt-len 64 --total-tokens 16,60
+one b4_p4k_pallas --batch 4 --prompt-len 4096 --total-tokens 16,60 --attention pallas
