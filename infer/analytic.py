@@ -281,16 +281,18 @@ def _hbm_bytes(shape_text: str) -> int:
     return total
 
 
-def hbm_traffic(hlo_text: str, top: int = 0) -> dict:
+def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False) -> dict:
     """HBM bytes and kernels of a compiled (optimised, fused, memory-space-assigned) HLO module:
     each top-level instruction reads its operands and writes its result, as a fused kernel does,
     counting only arrays in HBM (what the compiler placed in on-chip memory is free; the async
     copies and slices that bring it there are charged as HBM reads). Inside a fusion, a parameter
-    only sliced is charged the slices; an in-place update (dynamic-update-slice into a parameter) is
-    charged the update, not the buffer; a gathered one, the rows gathered. While bodies count their known trip count
+    only sliced is charged the slices; an in-place update (dynamic-update-slice or scatter into a
+    parameter) is charged the update, not the buffer; a gathered one, the rows gathered. While bodies count their known trip count
     (`known_trip_count`; once if unknown), a conditional its largest branch, kernels included (so
-    kernels are those executed, not those in the text). Returns {"bytes", "kernels"}, and with
-    `top` > 0 "top": the `top` costliest instructions as (bytes, name, source op_name)."""
+    kernels are those executed, not those in the text). `loop`: one trip of the costliest while
+    loop of the entry computation instead (a decode loop's step or round, without what runs once
+    around it). Returns {"bytes", "kernels"}, and with `top` > 0 "top": the `top` costliest
+    instructions as (bytes, name, source op_name)."""
     comps = _computations(hlo_text)
     costs = []
 
@@ -326,14 +328,15 @@ def hbm_traffic(hlo_text: str, top: int = 0) -> dict:
                 u["op"] == "fusion" and "kind=kLoop" in u["line"])  # a nested loop fusion reads what it writes
             if uses and all(part(u, j) for u, j in uses):
                 total += min(full, sum(sizes[u["name"]] for u, _ in uses))
-            elif not (uses and all(u["op"] == "dynamic-update-slice" and j == 0 for u, j in uses)):
+            elif not (uses and all(u["op"] in ("dynamic-update-slice", "scatter") and j == 0 for u, j in uses)):
                 total += full  # (a buffer updated in place is not read: only the update is written)
         if not body or not result_hbm:
             return total + result_hbm
         roots = [body[-1]]
         if roots[0]["op"] == "tuple":
             roots = [i for a in roots[0]["args"] for i in body if i["name"] == a]
-        written = sum(sizes.get(r["args"][1], 0) if r["op"] == "dynamic-update-slice" else sizes[r["name"]]
+        written = sum(sizes.get(r["args"][1], 0) if r["op"] == "dynamic-update-slice"
+                      else sizes.get(r["args"][-1], 0) if r["op"] == "scatter" else sizes[r["name"]]
                       for r in roots)
         return total + min(written, result_hbm)
 
@@ -381,7 +384,20 @@ def hbm_traffic(hlo_text: str, top: int = 0) -> dict:
             else:
                 nbytes += charge(ins, sum(operands) + res)
         return nbytes, kernels
-    b, k = walk("ENTRY")
+    if loop:
+        bodies = [re.search(r"body=%?([\w.\-]+)", i["line"]).group(1) for i in comps.get("ENTRY", [])
+                  if i["op"] == "while"]
+        if not bodies:
+            raise ValueError("no while loop in the entry computation")
+        best = None
+        for c in bodies:
+            costs.clear()
+            r = walk(c)
+            if best is None or r[0] > best[0][0]:
+                best = (r, list(costs))
+        (b, k), costs[:] = best
+    else:
+        b, k = walk("ENTRY")
     out = {"bytes": b, "kernels": k}
     if top:  # (a while body's instructions are listed once, at one trip's cost)
         out["top"] = sorted(costs, reverse=True)[:top]
@@ -395,7 +411,7 @@ def roofline_s(cost: dict, acc: dict) -> float:
 def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: int = 1, prompt_len: int = 64,
             max_new_tokens: int = 256, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
             draft_vocab: int = 32000, tau: float = 4.5, accelerator: str = "h200", kernels: bool = True,
-            attention: str = "xla", compile_for: str | None = None) -> dict:
+            attention: str = "xla", compile_for: str | None = None, dump_hlo: str | None = None) -> dict:
     """The report for one shape, batch and tree (see the module docstring). attention="pallas":
     the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered for the
     accelerator's platform (GPU: Triton, TPU: Mosaic); the kernel is counted by its cost estimate
@@ -458,17 +474,28 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         feats, logits, tcache = lo["verify"].out_info
         lo["accept"] = lower(p_accept, tp, dp, est, t, feats, logits, tcache, dcache, tm=tm, dm=dm, tree=tree)
         lo["round"] = lower(p_round, tp, dp, est, tm=tm, dm=dm, tree=tree)
+        if on is not None:  # the decode loops as generation runs them: state donated, caches in place
+            lo["step_loop"] = lower(vanilla.LOOP._jit, tp, pst, greedy, module=tm)
+            lo["round_loop"] = lower(eagle.LOOP._jit, tp, dp, est, greedy, tmodule=tm, dmodule=dm, tree=tree)
         return lo, b
     lowered, b = lower_all(base)
     cost = {k: _cost(lo, False) for k, lo in lowered.items()}
-    if compile_for:  # after XLA's TPU fusion: HBM traffic and kernels of the compiled programs
+    if compile_for:  # after XLA's TPU fusion: HBM traffic and kernels of the compiled programs; the
+        # step and the round are one trip of the decode loops (vanilla.LOOP, eagle.LOOP), the parts
+        # standalone programs (which also convert their inputs' layouts on entry and exit)
         kernels = False
         for k, lo in lower_all(base, on=tpu_placement(compile_for))[0].items():
+            if k in ("step", "round"):
+                continue  # one trip of their loops stands for them
             exe = lo.compile()
-            ca = exe.cost_analysis()
-            ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-            cost[k]["compiled"] = {**hbm_traffic(exe.as_text()), "xla_bytes": float(ca.get("bytes accessed", 0.0)),
-                                   "xla_optimal_s": float(ca.get("optimal_seconds", 0.0))}
+            if dump_hlo:  # the compiled programs, to see where the bytes go (hbm_traffic(text, top=20))
+                import gzip
+                import os
+                os.makedirs(dump_hlo, exist_ok=True)
+                with gzip.open(os.path.join(dump_hlo, f"{k}.hlo.gz"), "wt") as f:
+                    f.write(exe.as_text())
+            k = k.removesuffix("_loop")
+            cost[k]["compiled"] = hbm_traffic(exe.as_text(), loop=k in ("step", "round"))
     if kernels:  # counted on XLA:CPU's flavour of the same programs: bf16-output dots, which a GPU/TPU
         # matrix unit writes in one kernel, cost XLA:CPU extra conversion kernels of its own
         for k, lo in lower_all(dataclasses.replace(base, f32_dot_outputs=True))[0].items():
@@ -532,7 +559,8 @@ def format_report(r: dict) -> str:
     if "compiled" in r:  # after XLA's TPU fusion and memory-space assignment
         c = r["compiled"]
         lines += ["", f"compiled by XLA for {ACCELERATORS[c['for']]['name']} ({m.get('compiled_with', '')}; "
-                      f"HBM bytes of the fused kernels, infer.analytic.hbm_traffic):",
+                      f"HBM bytes of the fused kernels, infer.analytic.hbm_traffic; step and round: one trip "
+                      f"of the decode loops, parts: standalone programs):",
                   "", "| program | HBM bytes | kernels run | bytes / step |", "|---|---|---|---|"]
         for name, row in [("plain step", step)] + [(f"round: {k}", v) for k, v in r["round"]["parts"].items()] + [
                 ("round", r["round"])]:

@@ -81,6 +81,9 @@ def parse(argv=None):
                     help="also compile the programs with XLA's TPU compiler, here, with no TPU (libtpu matching jax: "
                          "pip install 'jax[tpu]'; run with JAX_PLATFORMS=cpu), and report the fused programs' HBM "
                          "traffic and kernels beside the pre-optimisation figures, and their roofline on that TPU")
+    an.add_argument("--dump-hlo", default=None, metavar="DIR",
+                    help="with --compile-for: write each compiled program's HLO to DIR/<program>.hlo.gz "
+                         "(infer.analytic.hbm_traffic(text, top=20) lists the costliest kernels)")
     an.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="skip compiling for kernel counts (bytes and FLOPs only)")
     an.add_argument("--json", default=None, help="write the report(s) as JSON")
@@ -96,7 +99,7 @@ def analytic_main(args):
             r = analyze(model,
                         "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
                         args.draft_vocab, args.tau, args.accelerator, args.kernels and not args.compile_for,
-                        args.attention, args.compile_for)
+                        args.attention, args.compile_for, args.dump_hlo)
             print(format_report(r) + "\n", flush=True)
             reports.append(r)
     if args.json:

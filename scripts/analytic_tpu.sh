@@ -5,7 +5,7 @@
 # here tries the TPU backend:
 #   python -m venv --system-site-packages /tmp/tpuenv && /tmp/tpuenv/bin/pip install 'jax[tpu]'
 #   PY=/tmp/tpuenv/bin/python bash scripts/analytic_tpu.sh [out dir]
-# Resumable: a shape whose JSON exists is skipped. ~4 min per shape on 2 cores.
+# Resumable: a shape whose JSON exists is skipped. 4-7 min per shape and tree on 2 cores.
 set -euo pipefail
 PY=${PY:-python}
 OUT=${1:-runs/analytic_tpu}
@@ -22,8 +22,8 @@ one() {  # name, then roundcost flags
 }
 one b1_p64_n60 --batch 1 --prompt-len 64 --total-tokens 60
 one b1_p4k_n60 --batch 1 --prompt-len 4096 --total-tokens 60
-one b1_p64_n60_pallas --batch 1 --prompt-len 64 --total-tokens 60 --attention pallas
 one b1_p4k_n60_pallas --batch 1 --prompt-len 4096 --total-tokens 60 --attention pallas
 one b4_p64 --batch 4 --prompt-len 64 --total-tokens 16,60
 one b16_p64 --batch 16 --prompt-len 64 --total-tokens 16,60
+one b1_p64_n60_pallas --batch 1 --prompt-len 64 --total-tokens 60 --attention pallas
 one b4_p4k_pallas --batch 4 --prompt-len 4096 --total-tokens 16,60 --attention pallas

@@ -134,6 +134,8 @@ def test_hbm_traffic_charges_fused_kernels_by_what_they_move():
     assert r["bytes"] == want, (r["bytes"], want, r["top"])
     assert r["kernels"] == 1 + 1 + 1 + 3 + 1  # fusion, copy, dot, 3 exponentials, update
     assert max(r["top"])[0] == layer + 4 + 2 * rows and max(r["top"])[1] == "f"
+    one_trip = hbm_traffic(_COMPILED, loop=True)  # a decode loop's step: the body once, nothing around it
+    assert one_trip == {"bytes": rows + rows, "kernels": 1}
 
 
 def test_hbm_traffic_of_a_compiled_program_reads_the_weights_once():
@@ -150,3 +152,47 @@ def test_hbm_traffic_of_a_compiled_program_reads_the_weights_once():
     # the weights once, and little else: far less than the unfused count of every op's operands
     assert weights <= r["bytes"] <= weights + 4 * 4 * (512 + 1024) * 4, r
     assert r["bytes"] < lo.cost_analysis()["bytes accessed"]
+
+
+def test_compile_for_tpu_without_a_tpu(shape):
+    """Where libtpu is installed (jax[tpu]; run with JAX_PLATFORMS=cpu), the report compiles the
+    programs with XLA's TPU compiler here and adds the fused programs' HBM bytes and kernels."""
+    pytest.importorskip("libtpu")
+    import jax
+    if jax.default_backend() != "cpu":
+        pytest.skip("the deviceless compile is checked where no TPU is attached")
+    from infer.analytic import analyze, format_report
+    r = analyze(shape(2), "bfloat16", 1, 8, 16, 2, 3, 6, 128, 2.5, "tpu-v6e", kernels=False, compile_for="tpu-v6e")
+    step, rnd = r["step"]["compiled"], r["round"]["compiled"]
+    assert rnd["bytes"] > step["bytes"] > 0 and rnd["kernels"] > step["kernels"] > 0
+    assert rnd["bytes"] < r["round"]["bytes"]  # fused: below the count of every op's operands
+    assert r["compiled"]["for"] == "tpu-v6e" and abs(r["compiled"]["bytes"] - rnd["bytes"] / step["bytes"]) < 1e-9
+    assert "compiled by XLA for Google TPU v6e" in format_report(r)
+
+
+def test_hbm_traffic_charges_an_in_place_scatter_its_updates():
+    from infer.analytic import hbm_traffic
+    text = """HloModule m, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%scat (p0: f32[1024,256], p1: s32[8,1], p2: f32[8,256]) -> f32[1024,256] {
+  %p0 = f32[1024,256]{1,0} parameter(0)
+  %p1 = s32[8,1]{1,0} parameter(1)
+  %p2 = f32[8,256]{1,0} parameter(2)
+  ROOT %sc = f32[1024,256]{1,0} scatter(%p0, %p1, %p2), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+ENTRY %main (c: f32[1024,256], i: s32[8,1], u: f32[8,256]) -> f32[1024,256] {
+  %c = f32[1024,256]{1,0} parameter(0)
+  %i = s32[8,1]{1,0} parameter(1)
+  %u = f32[8,256]{1,0} parameter(2)
+  ROOT %o = f32[1024,256]{1,0} fusion(%c, %i, %u), kind=kLoop, calls=%scat
+}
+"""
+    rows = 8 * 256 * 4
+    assert hbm_traffic(text) == {"bytes": 8 * 4 + rows + rows, "kernels": 1}  # not the 1 MiB buffer
