@@ -289,7 +289,8 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False) -> dict:
     only sliced is charged the slices; an in-place update (dynamic-update-slice or scatter into a
     parameter) is charged the update, not the buffer; a gathered one, the rows gathered. While bodies count their known trip count
     (`known_trip_count`; once if unknown), a conditional its largest branch, kernels included (so
-    kernels are those executed, not those in the text). `loop`: one trip of the costliest while
+    kernels are those executed, not those in the text; asynchronous copies, DMAs that overlap the
+    kernels, are not counted as kernels). `loop`: one trip of the costliest while
     loop of the entry computation instead (a decode loop's step or round, without what runs once
     around it). Returns {"bytes", "kernels"}, and with `top` > 0 "top": the `top` costliest
     instructions as (bytes, name, source op_name)."""
@@ -352,8 +353,7 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False) -> dict:
             if op.endswith("-done"):
                 moved = _bytes(ins["shape"])
                 nbytes += charge(ins, min(start_src.get(args[0], moved), moved) + res)
-                kernels += 1
-                continue
+                continue  # (an asynchronous copy: a DMA beside the kernels, not one of them)
             if op in _FREE:
                 continue
             if op == "while":
