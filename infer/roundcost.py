@@ -82,7 +82,8 @@ def parse(argv=None):
                          "pip install 'jax[tpu]'; run with JAX_PLATFORMS=cpu), and report the fused programs' HBM "
                          "traffic and kernels beside the pre-optimisation figures, and their roofline on that TPU")
     an.add_argument("--dump-hlo", default=None, metavar="DIR",
-                    help="with --compile-for: write each compiled program's HLO to DIR/<program>.hlo.gz "
+                    help="with --compile-for: write each compiled program's HLO to DIR/<program>.hlo.gz (DIR/b<batch>_n<N>/ "
+                         "for several shapes) "
                          "(infer.analytic.hbm_traffic(text, top=20) lists the costliest kernels)")
     an.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="skip compiling for kernel counts (bytes and FLOPs only)")
@@ -93,15 +94,16 @@ def parse(argv=None):
 def analytic_main(args):
     from infer.analytic import analyze, format_report
     reports = []
-    for bsz in [int(x) for x in args.batch.split(",")]:
-        for n in [int(x) for x in args.total_tokens.split(",")]:
-            model = "random:smollm2-135m" if args.model == "smollm2-135m-instruct" else args.model  # shapes only
-            r = analyze(model,
-                        "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
-                        args.draft_vocab, args.tau, args.accelerator, args.kernels and not args.compile_for,
-                        args.attention, args.compile_for, args.dump_hlo)
-            print(format_report(r) + "\n", flush=True)
-            reports.append(r)
+    shapes = [(int(b), int(n)) for b in args.batch.split(",") for n in args.total_tokens.split(",")]
+    for bsz, n in shapes:
+        dump = args.dump_hlo and (args.dump_hlo if len(shapes) == 1 else os.path.join(args.dump_hlo, f"b{bsz}_n{n}"))
+        model = "random:smollm2-135m" if args.model == "smollm2-135m-instruct" else args.model  # shapes only
+        r = analyze(model,
+                    "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
+                    args.draft_vocab, args.tau, args.accelerator, args.kernels and not args.compile_for,
+                    args.attention, args.compile_for, dump)
+        print(format_report(r) + "\n", flush=True)
+        reports.append(r)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports[0] if len(reports) == 1 else reports, f, indent=2)

@@ -10,14 +10,14 @@ set -euo pipefail
 PY=${PY:-python}
 OUT=${1:-runs/analytic_tpu}
 mkdir -p "$OUT"
-export JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=${TPU_ACCELERATOR_TYPE:-v6e-4} \
+export JAX_PLATFORMS=cpu TPU_SKIP_MDS_QUERY=1 ALLOW_MULTIPLE_LIBTPU_LOAD=1 TPU_ACCELERATOR_TYPE=${TPU_ACCELERATOR_TYPE:-v6e-4} \
        TPU_WORKER_HOSTNAMES=${TPU_WORKER_HOSTNAMES:-localhost} PYTHONPATH=${PYTHONPATH:-.}
 one() {  # name, then roundcost flags
   local name=$1; shift
   [[ -s "$OUT/$name.json" ]] && { echo "skip $name"; return; }
   "$PY" -m infer.roundcost --analytic --model random:llama-3.1-8b --dtype bfloat16 --depth 5 --top-k 10 \
       --max-new-tokens 256 --tau 4.5 --accelerator tpu-v6e --compile-for tpu-v6e "$@" \
-      --json "$OUT/$name.json.tmp" 2> "$OUT/$name.err" | tee "$OUT/$name.md"
+      --dump-hlo "$OUT/$name.hlo" --json "$OUT/$name.json.tmp" 2> "$OUT/$name.err" | tee "$OUT/$name.md"
   mv "$OUT/$name.json.tmp" "$OUT/$name.json"
 }
 one b1_p64_n60 --batch 1 --prompt-len 64 --total-tokens 60
