@@ -163,9 +163,9 @@ def test_compile_for_tpu_without_a_tpu(shape):
         pytest.skip("the deviceless compile is checked where no TPU is attached")
     from infer.analytic import analyze, format_report
     r = analyze(shape(2), "bfloat16", 1, 8, 16, 2, 3, 6, 128, 2.5, "tpu-v6e", kernels=False, compile_for="tpu-v6e")
-    step, rnd = r["step"]["compiled"], r["round"]["compiled"]
-    assert rnd["bytes"] > step["bytes"] > 0 and rnd["kernels"] > step["kernels"] > 0
-    assert rnd["bytes"] < r["round"]["bytes"]  # fused: below the count of every op's operands
+    step, rnd, verify = r["step"]["compiled"], r["round"]["compiled"], r["round"]["parts"]["verify"]
+    assert rnd["kernels"] > step["kernels"] > 0  # (at this size the loops keep everything on chip: bytes ~0)
+    assert 0 < verify["compiled"]["bytes"] < verify["bytes"]  # fused: below the count of every op's operands
     assert r["compiled"]["for"] == "tpu-v6e" and abs(r["compiled"]["bytes"] - rnd["bytes"] / step["bytes"]) < 1e-9
     assert "compiled by XLA for Google TPU v6e" in format_report(r)
 
