@@ -21,6 +21,11 @@ accelerator path into extra conversion kernels that a GPU/TPU matrix unit does n
 compiled program's own cost analysis is not reported: XLA:CPU widens bf16 weights to float32 before
 its dots, so its bytes say nothing about an accelerator.)
 
+With `compile_for` (`--compile-for tpu-v6e`) the programs are also compiled by XLA's TPU compiler on
+this machine (no TPU: a deviceless topology, libtpu installed), and `hbm_traffic` reads what the
+fused programs move to and from HBM: the figures a fusing compiler's output gives, beside the upper
+bound above.
+
 Parts: draft = expand + rerank (the draft passes, the candidate pool, the tree); verify = one target
 forward over the N tree tokens + the LM head; accept = greedy acceptance + KV compaction + output +
 draft catch-up; round = the whole round as the loop runs it (not the sum of the parts).
@@ -297,10 +302,10 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False) -> dict:
     comps = _computations(hlo_text)
     costs = []
 
-    def charge(ins, nbytes, times=1):
+    def charge(ins, nbytes):
         if top:
             src = re.search(r'op_name="([^"]*)"', ins["line"])
-            costs.append((nbytes * times, ins["name"], src.group(1) if src else ins["op"]))
+            costs.append((nbytes, ins["name"], src.group(1) if src else ins["op"]))
         return nbytes
 
     def through(comp, name):
@@ -415,7 +420,11 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     """The report for one shape, batch and tree (see the module docstring). attention="pallas":
     the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered for the
     accelerator's platform (GPU: Triton, TPU: Mosaic); the kernel is counted by its cost estimate
-    (every cache block read), and kernels are not counted (compiling needs the device)."""
+    (every cache block read), and kernels are not counted (compiling needs the device).
+    compile_for="tpu-v6e" (or "tpu-v5e"): also compile the programs with XLA's TPU compiler here
+    (tpu_placement; libtpu needed) and add their fused HBM bytes and kernels (hbm_traffic) as
+    "compiled" rows, the step and round as one trip of the decode loops; dump_hlo: a directory for
+    the compiled HLO."""
     import jax
     import numpy as np
     import eagle2_jax as e2
