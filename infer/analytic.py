@@ -291,13 +291,13 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False) -> dict:
     each top-level instruction reads its operands and writes its result, as a fused kernel does,
     counting only arrays in HBM (what the compiler placed in on-chip memory is free; the async
     copies and slices that bring it there are charged as HBM reads). Inside a fusion, a parameter
-    only sliced is charged the slices; an in-place update (dynamic-update-slice or scatter into a
-    parameter) is charged the update, not the buffer; a gathered one, the rows gathered. While bodies count their known trip count
-    (`known_trip_count`; once if unknown), a conditional its largest branch, kernels included (so
-    kernels are those executed, not those in the text; asynchronous copies, DMAs that overlap the
-    kernels, are not counted as kernels). `loop`: one trip of the costliest while
-    loop of the entry computation instead (a decode loop's step or round, without what runs once
-    around it). Returns {"bytes", "kernels"}, and with `top` > 0 "top": the `top` costliest
+    only sliced is charged the slices, one gathered the rows gathered; an in-place update
+    (dynamic-update-slice or scatter into a parameter) is charged the update, not the buffer. While
+    bodies count their known trip count (`known_trip_count`; once if unknown), a conditional its
+    largest branch, kernels included (so kernels are those executed, not those in the text;
+    asynchronous copies, DMAs that overlap the kernels, are not kernels). `loop`: one trip of the
+    costliest while loop of the entry computation instead (a decode loop's step or round, without
+    what runs once around it). Returns {"bytes", "kernels"}, and with `top` > 0 "top": the `top` costliest
     instructions as (bytes, name, source op_name)."""
     comps = _computations(hlo_text)
     costs = []
@@ -371,8 +371,8 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False) -> dict:
                 names = re.search(r"branch_computations=\{([^}]*)\}", line)
                 names = [x.strip().lstrip("%") for x in names.group(1).split(",")] if names else [
                     re.search(key + r"=%?([\w.\-]+)", line).group(1) for key in ("true_computation", "false_computation")]
-                costs = [walk(c) for c in names]
-                nbytes, kernels = nbytes + max(c[0] for c in costs), kernels + max(c[1] for c in costs)
+                branch = [walk(c) for c in names]
+                nbytes, kernels = nbytes + max(c[0] for c in branch), kernels + max(c[1] for c in branch)
                 continue
             if op == "call":
                 b, k = walk(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
