@@ -166,29 +166,19 @@ def breakdown(hlo_text: str) -> dict:
     computations. An approximation of `cost_analysis()["bytes accessed"]` (within ~1% on our
     programs) that says where it goes: a fusing compiler (XLA on GPU/TPU) keeps most elementwise,
     broadcast and reduce traffic in registers, so "matmul" is near what such a round must read."""
-    comps, entry, cur = {}, None, None
-    for line in hlo_text.splitlines():
-        s = line.strip()
-        if s.endswith("{") and " = " not in s:
-            name = s.split()[1] if s.startswith("ENTRY") else s.split()[0]
-            cur = comps.setdefault(name.lstrip("%"), [])
-            entry = name.lstrip("%") if s.startswith("ENTRY") else entry
-        elif s == "}":
-            cur = None
-        elif cur is not None and (m := _INST.match(s)):
-            cur.append((m.groups(), s))
+    comps = _computations(hlo_text)
     out = dict.fromkeys(KINDS, 0.0)
 
     def walk(comp):
         sizes = {}
-        for (name, shape, op, rest), line in comps.get(comp, []):
-            res = sizes[name] = _bytes(shape)
+        for ins in comps.get(comp, []):
+            name, op, line, args = ins["name"], ins["op"], ins["line"], ins["args"]
+            res = sizes[name] = _bytes(ins["shape"])
             if op in _FREE:
                 continue
             if op == "call":
                 walk(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
                 continue
-            args = [a.strip().lstrip("%") for a in rest.split(")")[0].split(",") if a.strip()]
             read = sum(sizes.get(a, 0) for a in args)
             if op in ("slice", "dynamic-slice"):  # the part read, as XLA counts them
                 read = res
@@ -202,7 +192,7 @@ def breakdown(hlo_text: str) -> dict:
                     else "reduce" if op.startswith("reduce")
                     else "data movement" if op in _MOVES else "elementwise")
             out[kind] += read + res
-    walk(entry)
+    walk("ENTRY")
     return out
 
 
