@@ -21,10 +21,10 @@ accelerator path into extra conversion kernels that a GPU/TPU matrix unit does n
 compiled program's own cost analysis is not reported: XLA:CPU widens bf16 weights to float32 before
 its dots, so its bytes say nothing about an accelerator.)
 
-With `compile_for` (`--compile-for tpu-v6e`) the programs are also compiled by XLA's TPU compiler on
-this machine (no TPU: a deviceless topology, libtpu installed), and `hbm_traffic` reads what the
-fused programs move to and from HBM: the figures a fusing compiler's output gives, beside the upper
-bound above.
+With `compile_for` (`--compile-for h200`, `h100`, `tpu-v6e`, `tpu-v5e`) the programs are also
+compiled by XLA's GPU or TPU compiler on this machine (no device: a deviceless topology, with the
+CUDA plugin or libtpu installed), and `hbm_traffic` reads what the fused programs move to and from
+HBM: the figures a fusing compiler's output gives, beside the upper bound above.
 
 Parts: draft = expand + rerank (the draft passes, the candidate pool, the tree); verify = one target
 forward over the N tree tokens + the LM head; accept = greedy acceptance + KV compaction + output +
@@ -206,25 +206,59 @@ def _cost(lowered, kernels: bool) -> dict:
     return row
 
 
-# ---- after fusion: the programs compiled for a TPU without one (deviceless, libtpu) -------------
+# ---- after fusion: the programs compiled for a GPU or TPU without one (deviceless) ---------------
 
 TPU_TOPOLOGIES = {"tpu-v5e": "v5e:2x2", "tpu-v6e": "v6e:2x2"}  # the smallest host slice; one chip is used
 
+# XLA's description of a GPU (its TargetConfig, as XLA's own gpu_specs write it), enough for the GPU
+# compiler to fuse, pick kernels and emit PTX with no GPU attached. Hopper, SM 9.0; what differs
+# between the cards is memory size and bandwidth (the L2 is 50 MiB on both).
+GPU_TARGETS = {
+    "h100": dict(name="NVIDIA H100 80GB HBM3", memory=84_929_347_584, bandwidth=3_352_320_000_000, l2=52_428_800),
+    "h200": dict(name="NVIDIA H200", memory=150_754_820_096, bandwidth=4_800_000_000_000, l2=52_428_800),
+}
 
-def tpu_placement(accelerator: str):
-    """A function that puts pytrees of arrays, as abstract arrays, on one chip of a TPU topology
-    described by libtpu, with no TPU attached: `jit(f).lower(*place(args)).compile()` then runs
-    XLA's TPU compiler here. Needs the `libtpu` wheel that matches jax, and JAX_PLATFORMS=cpu."""
+
+def gpu_target_config(accelerator: str, cuda=(13, 0), cudnn=(9, 8)) -> str:
+    """The TargetConfig text proto of a named Hopper GPU, for jax's deviceless CUDA topology."""
+    t = GPU_TARGETS[accelerator]
+    info = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
+                shared_memory_per_core=233472, threads_per_core_limit=2048, core_count=132, fpus_per_core=128,
+                block_dim_limit_x=2147483647, block_dim_limit_y=65535, block_dim_limit_z=65535,
+                memory_bandwidth=t["bandwidth"], l2_cache_size=t["l2"], clock_rate_ghz=1.98,
+                device_memory_size=t["memory"], shared_memory_per_block_optin=232448,
+                registers_per_core_limit=65536, registers_per_block_limit=65536)
+    lines = ["gpu_device_info {"] + [f"  {k}: {v}" for k, v in info.items()] + [
+        "  cuda_compute_capability { major: 9 minor: 0 }", "}", 'platform_name: "CUDA"',
+        f"dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} }}",
+        f"runtime_version {{ major: {cuda[0]} minor: {cuda[1]} }}", f'device_description_str: "{t["name"]}"']
+    return "\n".join(lines) + "\n"
+
+
+def placement(accelerator: str):
+    """A function that puts pytrees of arrays, as abstract arrays, on one device of a GPU or TPU
+    described without one attached (a deviceless topology): `jit(f).lower(*place(args)).compile()`
+    then runs XLA's compiler for that device here. A TPU needs the `libtpu` wheel matching jax
+    (pip install 'jax[tpu]'), a GPU the CUDA plugin (pip install jax-cuda13-plugin jax-cuda13-pjrt,
+    versions matching jax; ptxas on PATH); run with JAX_PLATFORMS=cpu."""
     import jax
     import numpy as np
     from jax.experimental import topologies
-    if accelerator not in TPU_TOPOLOGIES:
-        raise ValueError(f"cannot compile for {accelerator!r}: one of {', '.join(TPU_TOPOLOGIES)}")
     try:
-        topo = topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[accelerator], platform="tpu")
-    except Exception as e:  # no libtpu, or one that does not match jax
-        raise RuntimeError(f"compiling for {accelerator} needs libtpu (pip install 'jax[tpu]'): "
-                           f"{str(e).splitlines()[0]}") from None
+        if accelerator in TPU_TOPOLOGIES:
+            topo = topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[accelerator], platform="tpu")
+        elif accelerator in GPU_TARGETS:
+            topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                                target_config=gpu_target_config(accelerator))
+        else:
+            raise ValueError(f"cannot compile for {accelerator!r}: one of "
+                             f"{', '.join([*GPU_TARGETS, *TPU_TOPOLOGIES])}")
+    except ValueError:
+        raise
+    except Exception as e:  # no libtpu / CUDA plugin, or one that does not match jax
+        need = "libtpu (pip install 'jax[tpu]')" if accelerator in TPU_TOPOLOGIES else \
+            "the CUDA plugin (pip install jax-cuda13-plugin jax-cuda13-pjrt, matching jax)"
+        raise RuntimeError(f"compiling for {accelerator} needs {need}: {str(e).splitlines()[0]}") from None
     one = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",)),
                                      jax.sharding.PartitionSpec())
 
@@ -235,12 +269,13 @@ def tpu_placement(accelerator: str):
     return place
 
 
-def _libtpu_version() -> str:
+def _compiler_version(accelerator: str) -> str:
     import importlib.metadata
+    pkg = "libtpu" if accelerator in TPU_TOPOLOGIES else "jax-cuda13-plugin"
     try:
-        return importlib.metadata.version("libtpu")
+        return f"{pkg} {importlib.metadata.version(pkg)}"
     except importlib.metadata.PackageNotFoundError:
-        return "?"
+        return pkg
 
 
 def _computations(hlo_text: str) -> dict:
@@ -276,7 +311,7 @@ def _hbm_bytes(shape_text: str) -> int:
     return total
 
 
-def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False) -> dict:
+def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int = 0) -> dict:
     """HBM bytes and kernels of a compiled (optimised, fused, memory-space-assigned) HLO module:
     each top-level instruction reads its operands and writes its result, as a fused kernel does,
     counting only arrays in HBM (what the compiler placed in on-chip memory is free; the async
@@ -287,8 +322,11 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False) -> dict:
     largest branch, kernels included (so kernels are those executed, not those in the text;
     asynchronous copies, DMAs that overlap the kernels, are not kernels). `loop`: one trip of the
     costliest while loop of the entry computation instead (a decode loop's step or round, without
-    what runs once around it). Returns {"bytes", "kernels"}, and with `top` > 0 "top": the `top` costliest
-    instructions as (bytes, name, source op_name)."""
+    what runs once around it). `l2_bytes` (a GPU's L2 cache): a kernel's result of at most half of it
+    is taken to stay in L2 for the kernels that read it next (split-K partial sums, a layer's
+    attention scores at short context), so neither its write nor its reads are charged; the
+    program's inputs and state (weights, caches) are. Returns {"bytes", "kernels"}, and with `top` > 0
+    "top": the `top` costliest instructions as (bytes, name, source op_name)."""
     comps = _computations(hlo_text)
     costs = []
 
@@ -337,11 +375,19 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False) -> dict:
         return total + min(written, result_hbm)
 
     def walk(comp):
-        hbm, full, start_src, nbytes, kernels = {}, {}, {}, 0.0, 0
+        hbm, full, start_src, nbytes, kernels, in_l2 = {}, {}, {}, 0.0, 0, set()
         for ins in comps.get(comp, []):
             name, op, line, args = ins["name"], ins["op"], ins["line"], ins["args"]
-            res = hbm[name] = _hbm_bytes(ins["shape"])
+            shape = ins["shape"]
+            if op == "custom-call" and shape.startswith("("):  # a library call's scratch (cuBLAS / cuDNN
+                shape = re.sub(r",\s*[su]8\[\d+\]\{0\}\)$", ")", shape)  # workspace) is not traffic
+            res = hbm[name] = _hbm_bytes(shape)
             full[name] = _bytes(ins["shape"])
+            if l2_bytes and (op in ("bitcast", "get-tuple-element") and args and args[0] in in_l2 or (
+                    op not in _FREE and op not in ("while", "conditional", "call") and not op.endswith("-start")
+                    and 0 < res <= l2_bytes // 2)):
+                in_l2.add(name)  # an intermediate small enough to stay in L2 for its readers
+                res = hbm[name] = 0
             if op.endswith("-start"):  # charged when done: the source read (if in HBM), the result written
                 start_src[name] = hbm.get(args[0], 0) if args else 0
                 continue
@@ -411,8 +457,8 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered for the
     accelerator's platform (GPU: Triton, TPU: Mosaic); the kernel is counted by its cost estimate
     (every cache block read), and kernels are not counted (compiling needs the device).
-    compile_for="tpu-v6e" (or "tpu-v5e"): also compile the programs with XLA's TPU compiler here
-    (tpu_placement; libtpu needed) and add their fused HBM bytes and kernels (hbm_traffic) as
+    compile_for="h200" (or "h100", "tpu-v6e", "tpu-v5e"): also compile the programs with XLA's
+    compiler for that device here (placement; the CUDA plugin or libtpu needed) and add their fused HBM bytes and kernels (hbm_traffic) as
     "compiled" rows, the step and round as one trip of the decode loops; dump_hlo: a directory for
     the compiled HLO."""
     import jax
@@ -443,10 +489,10 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     else:
         base = e2.ops.XLA  # the accelerator path (GPU/TPU), whatever this machine would pick
 
-    place = None  # lower_all(base, on=tpu_placement(...)): for a TPU, to compile without one
+    place = None  # lower_all(base, on=placement(...)): for a GPU or TPU, to compile without one
 
     def lower(jitted, *a, **kw):
-        if place is not None:  # abstract inputs on a TPU device: jit lowers and compiles for it
+        if place is not None:  # abstract inputs on a GPU/TPU device: jit lowers and compiles for it
             return jitted.lower(*place(a), **kw)
         if attention == "xla":
             return jitted.lower(*a, **kw)
@@ -455,7 +501,7 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
 
     def lower_all(base, on=None):
         """The lowered step and round parts with `base` ops (layers unrolled for the analysis), for
-        this machine or (`on`, a tpu_placement) for a TPU."""
+        this machine or (`on`, a placement) for a GPU or TPU."""
         nonlocal place
         place = on
         ops = analysis_ops(base)
@@ -479,11 +525,11 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         return lo, b
     lowered, b = lower_all(base)
     cost = {k: _cost(lo, False) for k, lo in lowered.items()}
-    if compile_for:  # after XLA's TPU fusion: HBM traffic and kernels of the compiled programs; the
+    if compile_for:  # after XLA's GPU/TPU fusion: HBM traffic and kernels of the compiled programs; the
         # step and the round are one trip of the decode loops (vanilla.LOOP, eagle.LOOP), the parts
         # standalone programs (which also convert their inputs' layouts on entry and exit)
         kernels = False
-        for k, lo in lower_all(base, on=tpu_placement(compile_for))[0].items():
+        for k, lo in lower_all(base, on=placement(compile_for))[0].items():
             if k in ("step", "round"):
                 continue  # one trip of their loops stands for them
             exe = lo.compile()
@@ -495,6 +541,9 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
                     f.write(exe.as_text())
             k = k.removesuffix("_loop")
             cost[k]["compiled"] = hbm_traffic(exe.as_text(), loop=k in ("step", "round"))
+            if compile_for in GPU_TARGETS:  # and with what fits the GPU's L2 kept there between kernels
+                cost[k]["compiled"]["bytes_l2"] = hbm_traffic(exe.as_text(), loop=k in ("step", "round"),
+                                                              l2_bytes=GPU_TARGETS[compile_for]["l2"])["bytes"]
     if kernels:  # counted on XLA:CPU's flavour of the same programs: bf16-output dots, which a GPU/TPU
         # matrix unit writes in one kernel, cost XLA:CPU extra conversion kernels of its own
         for k, lo in lower_all(dataclasses.replace(base, f32_dot_outputs=True))[0].items():
@@ -512,15 +561,21 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     mm = lambda c: {"bytes": c["bytes_by_kind"]["matmul"], "flops": c["flops"]}  # noqa: E731
     t_step_mm, t_round_mm = roofline_s(mm(step), acc), roofline_s(mm(rnd), acc)
     out = {}
-    if compile_for:  # the fused programs' HBM bytes on the TPU they were compiled for, same FLOPs
-        tpu = ACCELERATORS[compile_for]
+    if compile_for:  # the fused programs' HBM bytes on the device they were compiled for, same FLOPs
+        dev = ACCELERATORS[compile_for]
         cb = lambda c: {"bytes": c["compiled"]["bytes"], "flops": c["flops"]}  # noqa: E731
-        t_step_c, t_round_c = roofline_s(cb(step), tpu), roofline_s(cb(rnd), tpu)
+        t_step_c, t_round_c = roofline_s(cb(step), dev), roofline_s(cb(rnd), dev)
         out["compiled"] = {"for": compile_for, "tau": tau, "step_ms": t_step_c * 1e3, "round_ms": t_round_c * 1e3,
                            "speedup": tau * t_step_c / t_round_c,
                            "bytes": rnd["compiled"]["bytes"] / step["compiled"]["bytes"],
                            "kernels": rnd["compiled"]["kernels"] / step["compiled"]["kernels"]}
-        meta["compiled_with"] = "libtpu " + _libtpu_version()
+        if "bytes_l2" in step["compiled"]:  # a GPU: the same with small intermediates kept in L2
+            l2 = lambda c: {"bytes": c["compiled"]["bytes_l2"], "flops": c["flops"]}  # noqa: E731
+            t_step_l2, t_round_l2 = roofline_s(l2(step), dev), roofline_s(l2(rnd), dev)
+            out["compiled"].update(step_ms_l2=t_step_l2 * 1e3, round_ms_l2=t_round_l2 * 1e3,
+                                   speedup_l2=tau * t_step_l2 / t_round_l2,
+                                   bytes_l2=rnd["compiled"]["bytes_l2"] / step["compiled"]["bytes_l2"])
+        meta["compiled_with"] = _compiler_version(compile_for)
     return {**out, "step": step, "round": {**rnd, "parts": parts},
             "roofline": {"accelerator": accelerator, "tau": tau, "speedup": tau * t_step / t_round,
                          "step_ms": t_step * 1e3, "round_ms": t_round * 1e3,
@@ -555,16 +610,24 @@ def format_report(r: dict) -> str:
               f"{rf['round_ms']:.3f} ms; at tau {rf['tau']}: speedup {rf['speedup']:.2f}x",
               f"matmul bytes only (elementwise, broadcast and reduce traffic fused away, as XLA on GPU/TPU "
               f"mostly does): round / step {r['ratios']['matmul_bytes']:.2f}x, speedup {rf['speedup_matmul_bytes']:.2f}x"]
-    if "compiled" in r:  # after XLA's TPU fusion and memory-space assignment
+    if "compiled" in r:  # after XLA's GPU/TPU fusion (and, on TPU, memory-space assignment)
         c = r["compiled"]
         lines += ["", f"compiled by XLA for {ACCELERATORS[c['for']]['name']} ({m.get('compiled_with', '')}; "
                       f"HBM bytes of the fused kernels, infer.analytic.hbm_traffic; step and round: one trip "
                       f"of the decode loops, parts: standalone programs):",
-                  "", "| program | HBM bytes | kernels run | bytes / step |", "|---|---|---|---|"]
+                  ""]
+        l2 = "bytes_l2" in c  # a GPU: also with intermediates of up to half its L2 kept there
+        lines += ["| program | HBM bytes | kernels run | bytes / step |" + (" HBM bytes, L2-resident intermediates "
+                  "| bytes / step |" if l2 else ""), "|---|---|---|---|" + ("---|---|" if l2 else "")]
         for name, row in [("plain step", step)] + [(f"round: {k}", v) for k, v in r["round"]["parts"].items()] + [
                 ("round", r["round"])]:
-            lines.append(f"| {name} | {gb(row['compiled']['bytes'])} | {row['compiled']['kernels']} | "
-                         f"{row['compiled']['bytes'] / step['compiled']['bytes']:.2f}x |")
+            x, s = row["compiled"], step["compiled"]
+            lines.append(f"| {name} | {gb(x['bytes'])} | {x['kernels']} | {x['bytes'] / s['bytes']:.2f}x |" + (
+                f" {gb(x['bytes_l2'])} | {x['bytes_l2'] / s['bytes_l2']:.2f}x |" if l2 else ""))
         lines += ["", f"round / step: bytes {c['bytes']:.2f}x, kernels {c['kernels']:.2f}x; roofline: step "
                       f"{c['step_ms']:.3f} ms, round {c['round_ms']:.3f} ms; at tau {c['tau']}: speedup {c['speedup']:.2f}x"]
+        if l2:
+            lines.append(f"with intermediates of up to {GPU_TARGETS[c['for']]['l2'] // 2**21} MiB kept in L2: bytes "
+                         f"{c['bytes_l2']:.2f}x; roofline: step {c['step_ms_l2']:.3f} ms, round {c['round_ms_l2']:.3f} ms; "
+                         f"at tau {c['tau']}: speedup {c['speedup_l2']:.2f}x")
     return "\n".join(lines)

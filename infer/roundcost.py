@@ -20,9 +20,10 @@ With --analytic nothing runs: for each batch and tree size it prints per-round b
 kernel counts per part against one plain step, from XLA's cost analysis of the lowered programs
 with abstract params (no weights needed; bytes and FLOPs are the pre-optimisation
 `Lowered.cost_analysis()`, so CPU-only rewrites do not distort them), and the roofline speedup at
---tau on --accelerator (see infer/analytic.py); --json FILE writes it. With --compile-for tpu-v5e
-the same programs are also compiled by XLA's TPU compiler on this machine (deviceless, libtpu), and
-the report adds what the fused programs move to and from HBM, and their kernels.
+--tau on --accelerator (see infer/analytic.py); --json FILE writes it. With --compile-for h200 (or
+h100, tpu-v5e, tpu-v6e) the same programs are also compiled by XLA's compiler for that GPU or TPU on
+this machine (deviceless: the CUDA plugin or libtpu, no device), and the report adds what the fused
+programs move to and from HBM, and their kernels.
 """
 from __future__ import annotations
 
@@ -77,10 +78,12 @@ def parse(argv=None):
                     help="pallas: the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered "
                          "for the accelerator's platform (Triton for GPUs, Mosaic for TPUs); the kernel counts by its "
                          "cost estimate, kernels are not counted")
-    an.add_argument("--compile-for", choices=["tpu-v5e", "tpu-v6e"], default=None,
-                    help="also compile the programs with XLA's TPU compiler, here, with no TPU (libtpu matching jax: "
-                         "pip install 'jax[tpu]'; run with JAX_PLATFORMS=cpu), and report the fused programs' HBM "
-                         "traffic and kernels beside the pre-optimisation figures, and their roofline on that TPU")
+    an.add_argument("--compile-for", choices=["h100", "h200", "tpu-v5e", "tpu-v6e"], default=None,
+                    help="also compile the programs with XLA's compiler for that GPU or TPU, here, with none attached "
+                         "(a deviceless topology; run with JAX_PLATFORMS=cpu; a GPU needs the CUDA plugin matching jax, "
+                         "pip install --no-deps jax-cuda13-plugin jax-cuda13-pjrt, and ptxas; a TPU needs libtpu, "
+                         "pip install 'jax[tpu]'), and report the fused programs' HBM traffic and kernels beside the "
+                         "pre-optimisation figures, and their roofline on that accelerator")
     an.add_argument("--dump-hlo", default=None, metavar="DIR",
                     help="with --compile-for: write each compiled program's HLO to DIR/<program>.hlo.gz (DIR/b<batch>_n<N>/ "
                          "for several shapes) "

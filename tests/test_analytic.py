@@ -170,6 +170,71 @@ def test_compile_for_tpu_without_a_tpu(shape):
     assert "compiled by XLA for Google TPU v6e" in format_report(r)
 
 
+def test_compile_for_a_gpu_without_one(shape):
+    """Where the CUDA plugin is installed (jax-cuda13-plugin and -pjrt matching jax, ptxas on PATH;
+    run with JAX_PLATFORMS=cpu), the report compiles the programs with XLA's GPU compiler for an
+    H200 described by its target config, and adds the fused programs' HBM bytes and kernels."""
+    pytest.importorskip("jax_plugins.xla_cuda13")
+    import jax
+    if jax.default_backend() != "cpu":
+        pytest.skip("the deviceless compile is checked where no GPU is attached")
+    from infer.analytic import analyze, format_report
+    r = analyze(shape(2), "bfloat16", 1, 8, 16, 2, 3, 6, 128, 2.5, "h200", kernels=False, compile_for="h200")
+    step, rnd, verify = r["step"]["compiled"], r["round"]["compiled"], r["round"]["parts"]["verify"]
+    assert rnd["kernels"] > step["kernels"] > 0 and rnd["bytes"] > step["bytes"] > 0
+    assert 0 < verify["compiled"]["bytes"] < verify["bytes"]  # fused: below the count of every op's operands
+    assert r["compiled"]["for"] == "h200" and abs(r["compiled"]["bytes"] - rnd["bytes"] / step["bytes"]) < 1e-9
+    assert "compiled by XLA for NVIDIA H200" in format_report(r)
+
+
+def test_hbm_traffic_does_not_charge_a_library_calls_workspace():
+    """cuBLAS and cuDNN calls return their scratch workspace beside the result: it is never read
+    from or written to HBM as data, so only the operands and the result are charged."""
+    from infer.analytic import hbm_traffic
+    text = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: bf16[16,4096], w: bf16[4096,4096]) -> bf16[16,4096] {
+  %a = bf16[16,4096]{1,0} parameter(0)
+  %w = bf16[4096,4096]{1,0} parameter(1)
+  %g = (bf16[16,4096]{1,0}, s8[4194304]{0}) custom-call(%a, %w), custom_call_target="__cublas$lt$matmul"
+  ROOT %o = bf16[16,4096]{1,0} get-tuple-element(%g), index=0
+}
+"""
+    r = hbm_traffic(text)
+    assert r == {"bytes": 2 * (16 * 4096 + 4096 * 4096 + 16 * 4096), "kernels": 1}
+
+
+def test_hbm_traffic_keeps_small_intermediates_in_a_gpus_l2():
+    """With a GPU's L2 size, a kernel's result that fits half of it is read back from L2 by the next
+    kernel: neither its write nor that read is charged, while the inputs (weights) still are."""
+    from infer.analytic import hbm_traffic
+    text = """HloModule m, is_scheduled=true
+
+%split (p0: bf16[64,4096], p1: bf16[4096,4096]) -> f32[8,64,4096] {
+  %p0 = bf16[64,4096]{1,0} parameter(0)
+  %p1 = bf16[4096,4096]{1,0} parameter(1)
+  ROOT %d = f32[8,64,4096]{2,1,0} custom-call(%p0, %p1), custom_call_target="partials"
+}
+
+%sum (q0: f32[8,64,4096]) -> bf16[64,4096] {
+  %q0 = f32[8,64,4096]{2,1,0} parameter(0)
+  ROOT %r = bf16[64,4096]{1,0} custom-call(%q0), custom_call_target="reduce"
+}
+
+ENTRY %main (x: bf16[64,4096], w: bf16[4096,4096]) -> bf16[64,4096] {
+  %x = bf16[64,4096]{1,0} parameter(0)
+  %w = bf16[4096,4096]{1,0} parameter(1)
+  %f = f32[8,64,4096]{2,1,0} fusion(%x, %w), kind=kCustom, calls=%split
+  %b = f32[8,64,4096]{2,1,0} bitcast(%f)
+  ROOT %g = bf16[64,4096]{1,0} fusion(%b), kind=kInput, calls=%sum
+}
+"""
+    x, w, partial = 64 * 4096 * 2, 4096 * 4096 * 2, 8 * 64 * 4096 * 4
+    assert hbm_traffic(text)["bytes"] == (x + w + partial) + (partial + x)
+    assert hbm_traffic(text, l2_bytes=50 * 2**20)["bytes"] == x + w  # the partial sums and the result stay in L2
+    assert hbm_traffic(text, l2_bytes=2 * partial - 2)["bytes"] == (x + w + partial) + partial  # too big for it
+
+
 def test_hbm_traffic_charges_an_in_place_scatter_its_updates():
     from infer.analytic import hbm_traffic
     text = """HloModule m, is_scheduled=true
