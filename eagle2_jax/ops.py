@@ -38,6 +38,9 @@ class Ops:
     # write half-precision dot products in float32 and round them in a second op (XLA:CPU, see
     # `dense`); GPU/TPU round on write
     f32_dot_outputs: bool = False
+    # attention scores laid out [slots, query rows] (XLA:CPU's faster orientation for few rows) instead
+    # of [query rows, slots] (GPU/TPU: the softmax reduces along the minor axis, in fewer kernels)
+    slot_major_scores: bool = False
 
     # ---- weights ------------------------------------------------------------------------------
     def weight(self, w) -> jax.Array:
@@ -80,7 +83,8 @@ class Ops:
     def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
         """Softmax attention of T queries over the cache as it was (under mask [B, T, S]) and
         over this call's own keys/values (mask [B, T, T]) in one float32 softmax: [B, T, H, Dh]."""
-        return attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT)
+        return attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT,
+                          slot_major=self.slot_major_scores)
 
     def scan_layers(self, body: Callable, carry, xs):
         """`lax.scan(body, carry, xs)` over stacked layers (xs leaves [L, ...])."""
@@ -88,7 +92,7 @@ class Ops:
 
 
 XLA = Ops()
-XLA_CPU = Ops(name="xla-cpu", f32_dot_outputs=True)  # the XLA path as XLA:CPU runs it fastest
+XLA_CPU = Ops(name="xla-cpu", f32_dot_outputs=True, slot_major_scores=True)  # the XLA path as XLA:CPU runs it fastest
 
 
 def query_rows(q_BTHD, K: int):
@@ -99,28 +103,32 @@ def query_rows(q_BTHD, K: int):
     return q.astype(jnp.float32) * (1.0 / math.sqrt(Dh))
 
 
-def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
+def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, slot_major: bool = True):
+    """One float32 softmax over cache slots and new keys together, kept as two blocks (no
+    concatenated copy) and normalised after the value products ([M, Dh], not [M, slots]). Scores
+    [B, K, M, slots] (query rows m = g * T + t first: the softmax reduces along the minor axis, as
+    GPU/TPU fuse it best), or with `slot_major` [B, K, slots, M] (with few query rows XLA's CPU
+    matmuls are several times faster in that orientation). Same values either way."""
     B, T, H, Dh = q_BTHD.shape
-    K, S = k_BKSD.shape[1], k_BKSD.shape[2]
+    K = k_BKSD.shape[1]
     G = H // K
     f32 = jnp.float32
-    q = query_rows(q_BTHD, K)
+    qc = query_rows(q_BTHD, K).astype(k_BKSD.dtype)  # the query takes the cache's dtype
     dot = lambda eq, a, b: jnp.einsum(eq, a.astype(b.dtype), b, preferred_element_type=f32)  # noqa: E731
-    # scores slot-major, [B, K, slots, M]: with few query rows (decoding) XLA's CPU matmuls are
-    # several times faster in this orientation than with the rows first
 
-    def cols(m_BTX):  # [B, T, X] -> [B, 1, X, M]
-        m = jnp.broadcast_to(m_BTX[:, None], (B, G) + m_BTX.shape[1:]).reshape(B, G * T, -1)
-        return m.transpose(0, 2, 1)[:, None]
-    qc = q.astype(k_BKSD.dtype)  # the query takes the cache's dtype, never the other way round
-    # one float32 softmax over cache slots and new keys together, kept as two blocks (no concatenated
-    # [slots, M] copy) and normalised after the value products ([M, Dh], not [slots, M])
-    s_cache = jnp.where(cols(mask_BTS), dot("bksd,bkmd->bksm", k_BKSD, qc), NEG_INF)
-    s_new = jnp.where(cols(mask_new_BTT), dot("bkud,bkmd->bkum", k_new_BKTD, qc), NEG_INF)
-    top = jnp.maximum(jnp.max(s_cache, axis=2, initial=NEG_INF), jnp.max(s_new, axis=2))[:, :, None]  # [B, K, 1, M]
-    p_cache, p_new = jnp.exp(s_cache - top), jnp.exp(s_new - top)
-    total = jnp.sum(p_cache, axis=2) + jnp.sum(p_new, axis=2)  # [B, K, M]
-    out = dot("bksm,bksd->bkmd", p_cache, v_BKSD) + dot("bkum,bkud->bkmd", p_new, v_new_BKTD)
+    def rows(m_BTX):  # [B, T, X] -> [B, 1, M, X]
+        return jnp.broadcast_to(m_BTX[:, None], (B, G) + m_BTX.shape[1:]).reshape(B, G * T, -1)[:, None]
+    if slot_major:
+        scores = lambda k, m: jnp.where(rows(m).swapaxes(2, 3), dot("bksd,bkmd->bksm", k, qc), NEG_INF)  # noqa: E731
+        ax, pv = 2, "bksm,bksd->bkmd"
+    else:
+        scores = lambda k, m: jnp.where(rows(m), dot("bkmd,bksd->bkms", qc, k), NEG_INF)  # noqa: E731
+        ax, pv = 3, "bkms,bksd->bkmd"
+    s_cache, s_new = scores(k_BKSD, mask_BTS), scores(k_new_BKTD, mask_new_BTT)
+    top = jnp.maximum(jnp.max(s_cache, axis=ax, initial=NEG_INF), jnp.max(s_new, axis=ax))  # [B, K, M]
+    p_cache, p_new = jnp.exp(s_cache - jnp.expand_dims(top, ax)), jnp.exp(s_new - jnp.expand_dims(top, ax))
+    total = jnp.sum(p_cache, axis=ax) + jnp.sum(p_new, axis=ax)  # [B, K, M]
+    out = dot(pv, p_cache, v_BKSD) + dot(pv, p_new, v_new_BKTD)
     out = out / total[..., None]
     return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
 

@@ -184,3 +184,15 @@ def test_bfloat16_draft_with_float32_target_is_lossless(models, reference, cfg, 
     out = generate(t, bf, PROMPTS, max_new_tokens=23, tree=TreeConfig(*cfg))
     assert out.tokens == reference["noisy_oracle"]
     assert max(max(a) for a in out.accept_lengths) > 1  # the bf16 draft still gets tokens accepted
+
+
+@pytest.mark.parametrize("cfg", [(5, 10, 60), (2, 3, 8), (1, 1, 1)], ids=lambda c: "d%d_k%d_n%d" % c)
+def test_accelerator_ops_are_lossless(models, cfg):
+    """The GPU/TPU path's ops (`ops.XLA`: query-row-major attention scores, bf16-rounding dots), run
+    here on the CPU: EAGLE-2 stays token-identical to plain decoding through them."""
+    import dataclasses
+    from eagle2_jax.ops import XLA
+    t, d = (dataclasses.replace(m, ops=XLA) for m in models["noisy_oracle"])
+    want = generate_vanilla(t, PROMPTS, max_new_tokens=23).tokens
+    assert generate(t, d, PROMPTS, max_new_tokens=23, tree=TreeConfig(*cfg)).tokens == want
+    assert models["noisy_oracle"][0].ops is not XLA  # (the CPU runs its own flavour by default)

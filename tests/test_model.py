@@ -187,3 +187,27 @@ def test_save_hf_dir_round_trip(tmp_path):
     t2 = load_target(save_hf_dir(t, str(tmp_path / "m")))
     ids = np.arange(9)[None]
     np.testing.assert_allclose(np.asarray(forward(t2, ids)), np.asarray(forward(t, ids)), atol=1e-6)
+
+
+def test_attention_score_layouts_agree_with_a_numpy_softmax():
+    """The accelerator path's query-row-major scores and XLA:CPU's slot-major ones give the same
+    attention, which is the float64 NumPy softmax over the allowed cache slots and new keys."""
+    from eagle2_jax.ops import XLA, XLA_CPU, attend_xla
+    assert not XLA.slot_major_scores and XLA_CPU.slot_major_scores
+    rng = np.random.default_rng(1)
+    B, T, H, K, Dh, S = 2, 5, 6, 2, 8, 11
+    q, k, v = (rng.standard_normal(s) for s in [(B, T, H, Dh), (B, K, S, Dh), (B, K, S, Dh)])
+    kn, vn = rng.standard_normal((B, K, T, Dh)), rng.standard_normal((B, K, T, Dh))
+    m, mn = rng.random((B, T, S)) < 0.5, np.tril(np.ones((T, T), bool)) & (rng.random((B, T, T)) < 0.7)
+    mn[:, np.arange(T), np.arange(T)] = True  # each token sees itself
+    keys, vals = np.concatenate([k, kn], 2), np.concatenate([v, vn], 2)  # [B, K, S + T, Dh]
+    allowed = np.concatenate([m, mn], 2)  # [B, T, S + T]
+    want = np.zeros((B, T, H, Dh))
+    for b, t, h in np.ndindex(B, T, H):
+        s = keys[b, h // (H // K)] @ q[b, t, h] / np.sqrt(Dh)
+        p = np.where(allowed[b, t], np.exp(s - s[allowed[b, t]].max()), 0.0)
+        want[b, t, h] = p @ vals[b, h // (H // K)] / p.sum()
+    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v)] + [jnp.asarray(m)] + [
+        jnp.asarray(a, jnp.float32) for a in (kn, vn)] + [jnp.asarray(mn)]
+    for slot_major in (True, False):
+        np.testing.assert_allclose(np.asarray(attend_xla(*args, slot_major=slot_major)), want, atol=2e-5)

@@ -42,7 +42,7 @@ class PallasOps(core_ops.Ops):
     def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
         args = (q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT)
         if q_BTHD.shape[1] > self.max_new:  # the kernel holds the new tokens' [T, T] block whole
-            return core_ops.attend_xla(*args)
+            return core_ops.attend_xla(*args, slot_major=self.slot_major_scores)
         run = lambda *a: tree_attention(*a, block=self.block, backend=self.backend)  # noqa: E731
         if self.mesh is None or self.mesh.size == 1:
             return run(*args)
