@@ -292,3 +292,34 @@ def test_eagle3_head_starts_from_the_targets_head():
     got = tdraft.eagle3_head_from_target(t, vocab, d.params)
     np.testing.assert_array_equal(np.asarray(got["lm_head"]), np.asarray(t.params["embed"]).T[:, vocab])
     np.testing.assert_array_equal(np.asarray(got["norm"]["scale"]), np.asarray(t.params["norm"]["scale"]))
+
+
+def test_eagle3_vocab_mask_drops_positions_whose_target_token_is_outside_the_draft_vocabulary():
+    """vocab_mask (the official EAGLE-3 loss mask) equals the plain loss with those positions taken
+    out of the assistant mask, at every rollout step; in_vocab reports the share kept."""
+    import jax.numpy as jnp
+    from eagle2_jax import init_draft
+    from eagle2_jax.model import target_logits
+    from train.loss import draft_loss, target_features, vocab_head
+    t = init_target(tiny_config(), 0)
+    vocab = np.arange(0, 64, 2)  # half the target's ids
+    d = init_draft(t, 1, arch="eagle3", draft_vocab_size=len(vocab))
+    d.params = {**d.params, "d2t": jnp.asarray(vocab - np.arange(len(vocab)), jnp.int32)}
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(rng.integers(0, 64, (2, 12)), jnp.int32)
+    mask = jnp.asarray(np.r_[np.zeros(3), np.ones(9)][None].repeat(2, 0), jnp.int32)
+    feats = target_features(t.module, t.params, ids, tuple(d.module.aux_layers))
+    D = t.config.hidden_size
+    full_top = np.asarray(jnp.argmax(target_logits(t.module, t.params, feats[:, 1:, -D:]), -1))
+    keep = np.isin(full_top, vocab)  # [B, T-1]
+    assert 0 < keep.mean() < 1
+    head = vocab_head(t.module, t.params, jnp.asarray(vocab))
+    args = (d.module, t.module, t.params, ids)
+    common = (feats, None, 0.0, 1.0, 0.1, head, 2)
+    _, masked = draft_loss(d.params, *args, mask, *common, vocab_mask=True)
+    mask2 = np.asarray(mask).copy()
+    mask2[:, 1:] *= keep
+    _, plain = draft_loss(d.params, *args, jnp.asarray(mask2), *common)
+    for k in ("loss", "ploss", "acc", "acc_1", "tokens"):
+        np.testing.assert_allclose(float(masked[k]), float(plain[k]), rtol=1e-6)
+    np.testing.assert_allclose(float(masked["in_vocab"]), keep[np.asarray(mask)[:, 1:] > 0].mean(), rtol=1e-6)

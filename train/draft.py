@@ -23,7 +23,9 @@ vocabulary (`draft_vocab`, sorted ids; d2t from them), the cross-entropy alone (
 noise are EAGLE-2's), the training-time test with `rollout` steps (the paper uses 7), and the export
 in the published EAGLE-3 layout. `eagle3_head_init: target` (the default; `random` for the
 initialiser's rows) starts the head's final norm and LM head from the target's (its LM head columns
-of the draft vocabulary).
+of the draft vocabulary). `vocab_mask: true` (with a draft vocabulary) leaves out of the loss the
+positions whose target argmax over the full vocabulary is not a draft token, as the official
+EAGLE-3 training does (the log's in_vocab: the share kept).
 With `init_from` (a head to continue from), that head is evaluated on the held-out examples before
 the first step (step 0 in the log), the baseline the run's later evaluations compare against.
 """
@@ -46,7 +48,7 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
                 heldout_examples=32, seed=0, mesh=None, log_every=10, ckpt_every=50, eval_every=200,
                 eval_tau_prompts=4, eval_tau_tokens=64, tree=dict(depth=5, top_k=10, total_tokens=60),
                 init_from=None, feature_cache=True, draft_vocab=None, feature_batch=8, rollout=1,
-                rollout_decay=0.8, arch="eagle2", eagle3_head_init="target")
+                rollout_decay=0.8, arch="eagle2", eagle3_head_init="target", vocab_mask=False)
 
 
 def load_config(argv=None) -> dict:
@@ -179,7 +181,8 @@ def build_step(tmodule, dmodule, opt, cfg, fixed=None):
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, key, cfg["noise"],
-                                      cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"])
+                                      cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"],
+                                      cfg["vocab_mask"])
         updates, opt_state = opt.update(grads, opt_state, dparams)
         return optax.apply_updates(dparams, updates), opt_state, metrics
 
@@ -187,7 +190,8 @@ def build_step(tmodule, dmodule, opt, cfg, fixed=None):
         feats = target_features(tmodule, tparams, ids, aux)
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
         _, metrics = loss_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, None, 0.0,
-                                cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"])
+                                cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"],
+                                cfg["vocab_mask"])
         return metrics
 
     return jax.jit(step, donate_argnums=(0, 1)), jax.jit(evaluate)

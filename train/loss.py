@@ -42,7 +42,8 @@ def vocab_head(tmodule, tparams, ids_V):
 
 
 def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, noise_key, noise: float,
-               v_weight: float, p_weight: float, head_DV=None, rollout: int = 1, rollout_decay: float = 0.8):
+               v_weight: float, p_weight: float, head_DV=None, rollout: int = 1, rollout_decay: float = 0.8,
+               vocab_mask: bool = False):
     """Returns (loss, metrics). Gradients flow into dparams only.
 
     With `head_DV` (a `vocab_head` over the draft's vocabulary) the cross-entropy and accuracy
@@ -56,6 +57,11 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     and to its own earlier steps at anchor j (its branch of the tree); gradients flow through
     the chain. Step k's loss weighs rollout_decay**k. Metrics vloss/ploss/acc are step 0's,
     loss the weighted sum; acc_k (k >= 1) is step k's top-1 accuracy.
+
+    `vocab_mask` (with `head_DV`; the official EAGLE-3 recipe): positions whose next token under the
+    target's full vocabulary (its argmax) lies outside the draft vocabulary are left out of the loss
+    and the accuracy, instead of counting against the target renormalised over the draft tokens.
+    Metric `in_vocab`: the share of step 0's positions kept.
     """
     B, T = ids_BT.shape
     R = int(rollout)
@@ -79,6 +85,10 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     t_logits = jax.lax.stop_gradient(head(tgt.astype(dmodule.dtype)))  # the target's next-token logits
     t_p = jax.nn.softmax(t_logits, axis=-1)
     t_top = jnp.argmax(t_logits, -1)
+    keep = None  # [B, T-1]: the target's full-vocabulary argmax is a draft token
+    if vocab_mask and head_DV is not None:
+        full = target_logits(tmodule, tparams, tgt.astype(dmodule.dtype))
+        keep = jax.lax.stop_gradient(jnp.max(t_logits, -1) >= jnp.max(full, -1))
     embed = lambda ids: jax.lax.stop_gradient(target_embed(tmodule, tparams, ids))  # noqa: E731
     if eagle3:
         from eagle2_jax.eagle3 import Eagle3Draft
@@ -89,6 +99,8 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
         n_valid = T - 1 - k  # anchors j with j+k+1 < T
         p = pred[:, :n_valid]
         w = mask_BT[:, k + 1:].astype(jnp.float32)
+        if keep is not None:
+            w = w * keep[:, k:]
         n = jnp.maximum(w.sum(), 1.0)
         if eagle3:  # no feature to regress to: token-level cross-entropy over its own draft vocabulary
             vloss = jnp.float32(0.0)
@@ -102,6 +114,8 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
         loss = loss + (rollout_decay ** k) * step_loss
         if k == 0:
             metrics.update(vloss=vloss, ploss=ploss, acc=acc, tokens=w.sum())
+            if keep is not None:
+                metrics["in_vocab"] = w.sum() / jnp.maximum(mask_BT[:, 1:].astype(jnp.float32).sum(), 1.0)
         else:
             metrics[f"acc_{k}"] = acc
     metrics["loss"] = loss
