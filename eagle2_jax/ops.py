@@ -103,7 +103,7 @@ def query_rows(q_BTHD, K: int):
     return q.astype(jnp.float32) * (1.0 / math.sqrt(Dh))
 
 
-def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, slot_major: bool = True):
+def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, *, slot_major: bool):
     """One float32 softmax over cache slots and new keys together, kept as two blocks (no
     concatenated copy) and normalised after the value products ([M, Dh], not [M, slots]). Scores
     [B, K, M, slots] (query rows m = g * T + t first: the softmax reduces along the minor axis, as
@@ -113,7 +113,8 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_ne
     K = k_BKSD.shape[1]
     G = H // K
     f32 = jnp.float32
-    qc = query_rows(q_BTHD, K).astype(k_BKSD.dtype)  # the query takes the cache's dtype
+    qc = query_rows(q_BTHD, K).astype(k_BKSD.dtype)  # the query takes the cache's dtype, as do the new
+    k_new_BKTD, v_new_BKTD = k_new_BKTD.astype(k_BKSD.dtype), v_new_BKTD.astype(v_BKSD.dtype)  # keys / values
     dot = lambda eq, a, b: jnp.einsum(eq, a.astype(b.dtype), b, preferred_element_type=f32)  # noqa: E731
 
     def rows(m_BTX):  # [B, T, X] -> [B, 1, M, X]

@@ -219,6 +219,9 @@ GPU_TARGETS = {
 }
 
 
+COMPILE_TARGETS = (*GPU_TARGETS, *TPU_TOPOLOGIES)
+
+
 def gpu_target_config(accelerator: str, cuda=(13, 0), cudnn=(9, 8)) -> str:
     """The TargetConfig text proto of a named Hopper GPU, for jax's deviceless CUDA topology."""
     t = GPU_TARGETS[accelerator]
@@ -239,25 +242,23 @@ def placement(accelerator: str):
     """A function that puts pytrees of arrays, as abstract arrays, on one device of a GPU or TPU
     described without one attached (a deviceless topology): `jit(f).lower(*place(args)).compile()`
     then runs XLA's compiler for that device here. A TPU needs the `libtpu` wheel matching jax
-    (pip install 'jax[tpu]'), a GPU the CUDA plugin (pip install jax-cuda13-plugin jax-cuda13-pjrt,
-    versions matching jax; ptxas on PATH); run with JAX_PLATFORMS=cpu."""
+    (pip install 'jax[tpu]'), a GPU the CUDA plugin (pip install --no-deps jax-cuda13-plugin==<jax>
+    jax-cuda13-pjrt==<jax>; ptxas from a CUDA toolkit on PATH); run with JAX_PLATFORMS=cpu."""
     import jax
     import numpy as np
     from jax.experimental import topologies
+    if accelerator not in TPU_TOPOLOGIES and accelerator not in GPU_TARGETS:
+        raise ValueError(f"cannot compile for {accelerator!r}: one of {', '.join(COMPILE_TARGETS)}")
     try:
         if accelerator in TPU_TOPOLOGIES:
             topo = topologies.get_topology_desc(topology_name=TPU_TOPOLOGIES[accelerator], platform="tpu")
-        elif accelerator in GPU_TARGETS:
+        else:
             topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                                 target_config=gpu_target_config(accelerator))
-        else:
-            raise ValueError(f"cannot compile for {accelerator!r}: one of "
-                             f"{', '.join([*GPU_TARGETS, *TPU_TOPOLOGIES])}")
-    except ValueError:
-        raise
     except Exception as e:  # no libtpu / CUDA plugin, or one that does not match jax
         need = "libtpu (pip install 'jax[tpu]')" if accelerator in TPU_TOPOLOGIES else \
-            "the CUDA plugin (pip install jax-cuda13-plugin jax-cuda13-pjrt, matching jax)"
+            f"the CUDA plugin (pip install --no-deps jax-cuda13-plugin=={jax.__version__} " \
+            f"jax-cuda13-pjrt=={jax.__version__}) and ptxas"
         raise RuntimeError(f"compiling for {accelerator} needs {need}: {str(e).splitlines()[0]}") from None
     one = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",)),
                                      jax.sharding.PartitionSpec())
@@ -278,10 +279,13 @@ def _compiler_version(accelerator: str) -> str:
         return pkg
 
 
+_INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
+
+
 def _computations(hlo_text: str) -> dict:
     comps, cur = {}, None
     for line in hlo_text.splitlines():
-        s = line.strip()
+        s = _INDEX_COMMENT.sub("", line.strip())  # (long operand and tuple lists carry /*index=N*/ marks)
         if s.endswith("{") and " = " not in s:
             name = s.split()[1] if s.startswith("ENTRY") else s.split()[0]
             cur = comps.setdefault("ENTRY" if s.startswith("ENTRY") else name.lstrip("%"), [])
@@ -311,6 +315,64 @@ def _hbm_bytes(shape_text: str) -> int:
     return total
 
 
+_LIBRARY_CALL = re.compile(r'custom_call_target="__(cublas|cudnn)')
+_IN_PLACE = ("dynamic-update-slice", "scatter")
+
+
+class _L2:
+    """The L2 model of `hbm_traffic` for one computation: which results may live in L2 (kernel
+    results of at most half of it that are not loop state, outputs or in-place updates), when each
+    was written (bytes streamed so far, counted all-in-HBM), and what a kernel's reads and its own
+    result cost with that."""
+
+    def __init__(self, body, comps, l2_bytes):
+        self.half, self.pos, self.src, self.written, self.pending = l2_bytes // 2, 0.0, {}, {}, {}
+        self.kept = set()  # what reaches the computation's root: outputs and loop state, always in HBM
+        todo = [body[-1]["name"]] if body else []
+        by_name = {i["name"]: i for i in body}
+        while todo:
+            n = todo.pop()
+            if n in self.kept or n not in by_name:
+                continue
+            self.kept.add(n)
+            if by_name[n]["op"] in ("tuple", "bitcast", "get-tuple-element"):
+                todo += by_name[n]["args"]
+        self.comps = comps
+
+    def alias(self, ins):
+        """bitcast / get-tuple-element of a result read the result itself."""
+        if ins["op"] in ("bitcast", "get-tuple-element") and ins["args"]:
+            self.src[ins["name"]] = self.src.get(ins["args"][0], ins["args"][0])
+
+    def _in_place(self, ins):
+        if ins["op"] in _IN_PLACE or "output_to_operand_aliasing" in ins["line"]:
+            return True
+        callee = re.search(r"calls=%?([\w.\-]+)", ins["line"]) if ins["op"] == "fusion" else None
+        body = self.comps.get(callee.group(1), []) if callee else []
+        roots = body[-1:] if body and body[-1]["op"] != "tuple" else [
+            i for i in body if i["name"] in body[-1]["args"]] if body else []
+        return any(r["op"] in _IN_PLACE for r in roots)
+
+    def kernel(self, ins, operands, res):
+        """(operands as charged, late writes to charge, result as charged) for one kernel."""
+        streamed = sum(operands) + res  # what it moves counted all-in-HBM: how far the L2 turns over
+        operands, late = list(operands), 0.0
+        for j, a in enumerate(ins["args"]):
+            a = self.src.get(a, a)
+            if a not in self.written:
+                continue
+            if self.pos - self.written[a] <= self.half:
+                operands[j] = 0  # still in L2
+            else:
+                late += self.pending.pop(a, 0)  # evicted before this read: it was written to HBM
+        name = ins["name"]
+        if 0 < res <= self.half and name not in self.kept and not ins["op"].endswith(("-start", "-done")) \
+                and not self._in_place(ins):
+            self.written[name], self.pending[name], res = self.pos + streamed, res, 0
+        self.pos += streamed
+        return operands, late, res
+
+
 def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int = 0) -> dict:
     """HBM bytes and kernels of a compiled (optimised, fused, memory-space-assigned) HLO module:
     each top-level instruction reads its operands and writes its result, as a fused kernel does,
@@ -323,10 +385,12 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
     asynchronous copies, DMAs that overlap the kernels, are not kernels). `loop`: one trip of the
     costliest while loop of the entry computation instead (a decode loop's step or round, without
     what runs once around it). `l2_bytes` (a GPU's L2 cache): a kernel's result of at most half of it
-    is taken to stay in L2 for the kernels that read it next (split-K partial sums, a layer's
-    attention scores at short context), so neither its write nor its reads are charged; the
-    program's inputs and state (weights, caches) are. Returns {"bytes", "kernels"}, and with `top` > 0
-    "top": the `top` costliest instructions as (bytes, name, source op_name)."""
+    that is read again before another half of the L2 has streamed through (by the all-in-HBM count
+    of the kernels in between) is read from L2 (split-K partial sums, a layer's attention scores at
+    a short context); its write is charged only if some read comes later than that (to the reading
+    kernel), else it is taken to stay in L2 until its buffer is reused. Program inputs, loop state,
+    in-place updates (caches) and outputs are always charged. Returns {"bytes", "kernels"}, and with
+    `top` > 0 "top": the `top` costliest instructions as (bytes, name, source op_name)."""
     comps = _computations(hlo_text)
     costs = []
 
@@ -375,19 +439,18 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
         return total + min(written, result_hbm)
 
     def walk(comp):
-        hbm, full, start_src, nbytes, kernels, in_l2 = {}, {}, {}, 0.0, 0, set()
-        for ins in comps.get(comp, []):
+        hbm, full, start_src, nbytes, kernels = {}, {}, {}, 0.0, 0
+        body = comps.get(comp, [])
+        l2 = _L2(body, comps, l2_bytes) if l2_bytes else None
+        for ins in body:
             name, op, line, args = ins["name"], ins["op"], ins["line"], ins["args"]
             shape = ins["shape"]
-            if op == "custom-call" and shape.startswith("("):  # a library call's scratch (cuBLAS / cuDNN
-                shape = re.sub(r",\s*[su]8\[\d+\]\{0\}\)$", ")", shape)  # workspace) is not traffic
+            if op == "custom-call" and shape.startswith("(") and _LIBRARY_CALL.search(line):
+                shape = re.sub(r",\s*[su]8\[\d+\]\{0\}\)$", ")", shape)  # its workspace is not traffic
             res = hbm[name] = _hbm_bytes(shape)
             full[name] = _bytes(ins["shape"])
-            if l2_bytes and (op in ("bitcast", "get-tuple-element") and args and args[0] in in_l2 or (
-                    op not in _FREE and op not in ("while", "conditional", "call") and not op.endswith("-start")
-                    and 0 < res <= l2_bytes // 2)):
-                in_l2.add(name)  # an intermediate small enough to stay in L2 for its readers
-                res = hbm[name] = 0
+            if l2 is not None:
+                l2.alias(ins)
             if op.endswith("-start"):  # charged when done: the source read (if in HBM), the result written
                 start_src[name] = hbm.get(args[0], 0) if args else 0
                 continue
@@ -416,14 +479,18 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
                 continue
             kernels += 1
             operands = [hbm.get(a, 0) for a in args]
+            late = 0.0  # writes of earlier results read too late to find them in L2, charged here
+            if l2 is not None:
+                operands, late, res = l2.kernel(ins, operands, res)
             if op == "fusion":
-                nbytes += charge(ins, fusion_bytes(re.search(r"calls=%?([\w.\-]+)", line).group(1), operands, res))
+                moved = fusion_bytes(re.search(r"calls=%?([\w.\-]+)", line).group(1), operands, res)
             elif op in ("slice", "dynamic-slice"):
-                nbytes += charge(ins, min(operands[0], full[name]) + res)
+                moved = min(operands[0], full[name]) + res
             elif op == "dynamic-update-slice":
-                nbytes += charge(ins, operands[1] + min(res, full.get(args[1], 0)))
+                moved = operands[1] + min(res, full.get(args[1], 0))
             else:
-                nbytes += charge(ins, sum(operands) + res)
+                moved = sum(operands) + res
+            nbytes += charge(ins, moved + late)
         return nbytes, kernels
     if loop:
         bodies = [re.search(r"body=%?([\w.\-]+)", i["line"]).group(1) for i in comps.get("ENTRY", [])
@@ -455,12 +522,13 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
             attention: str = "xla", compile_for: str | None = None, dump_hlo: str | None = None) -> dict:
     """The report for one shape, batch and tree (see the module docstring). attention="pallas":
     the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered for the
-    accelerator's platform (GPU: Triton, TPU: Mosaic); the kernel is counted by its cost estimate
-    (every cache block read), and kernels are not counted (compiling needs the device).
-    compile_for="h200" (or "h100", "tpu-v6e", "tpu-v5e"): also compile the programs with XLA's
-    compiler for that device here (placement; the CUDA plugin or libtpu needed) and add their fused HBM bytes and kernels (hbm_traffic) as
-    "compiled" rows, the step and round as one trip of the decode loops; dump_hlo: a directory for
-    the compiled HLO."""
+    platform of `compile_for` (or else the accelerator's: GPU Triton, TPU Mosaic); its
+    pre-optimisation bytes are its cost estimate (every cache block read), and its kernels are
+    counted only in the compiled rows. compile_for="h200" (or "h100", "tpu-v6e", "tpu-v5e"): also
+    compile the programs with XLA's compiler for that device here (placement; the CUDA plugin or
+    libtpu needed) and add their fused HBM bytes and kernels (hbm_traffic; for a GPU also with its
+    L2) as "compiled" rows, the step and round as one trip of the decode loops; dump_hlo: a
+    directory for the compiled HLO."""
     import jax
     import numpy as np
     import eagle2_jax as e2
@@ -482,7 +550,7 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     greedy = SamplingParams.of(SamplingConfig())
     if attention not in ("xla", "pallas"):
         raise ValueError(f"unknown attention {attention!r}: xla or pallas")
-    platform = "tpu" if accelerator.startswith("tpu") else "cuda"
+    platform = "tpu" if (compile_for or accelerator).startswith("tpu") else "cuda"
     if attention == "pallas":
         from eagle2_jax.pallas import PallasOps
         base, kernels = PallasOps(backend="tpu" if platform == "tpu" else "gpu"), False

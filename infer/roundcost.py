@@ -69,7 +69,7 @@ def parse(argv=None):
     an.add_argument("--analytic", action="store_true", help="report bytes / FLOPs / kernels and the roofline instead of timing")
     an.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (with --max-new-tokens: the cache bucket)")
     an.add_argument("--tau", type=float, default=4.5, help="tokens per round for the roofline speedup")
-    from infer.analytic import ACCELERATORS
+    from infer.analytic import ACCELERATORS, COMPILE_TARGETS
     an.add_argument("--accelerator", default="h200", choices=sorted(ACCELERATORS),
                     help="peak bandwidth and bf16 FLOP/s for the roofline (infer/analytic.py)")
     an.add_argument("--draft-vocab", type=int, default=32000,
@@ -78,7 +78,7 @@ def parse(argv=None):
                     help="pallas: the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered "
                          "for the accelerator's platform (Triton for GPUs, Mosaic for TPUs); the kernel counts by its "
                          "cost estimate, kernels are not counted")
-    an.add_argument("--compile-for", choices=["h100", "h200", "tpu-v5e", "tpu-v6e"], default=None,
+    an.add_argument("--compile-for", choices=list(COMPILE_TARGETS), default=None,
                     help="also compile the programs with XLA's compiler for that GPU or TPU, here, with none attached "
                          "(a deviceless topology; run with JAX_PLATFORMS=cpu; a GPU needs the CUDA plugin matching jax, "
                          "pip install --no-deps jax-cuda13-plugin jax-cuda13-pjrt, and ptxas; a TPU needs libtpu, "

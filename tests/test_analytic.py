@@ -175,7 +175,10 @@ def test_compile_for_a_gpu_without_one(shape):
     run with JAX_PLATFORMS=cpu), the report compiles the programs with XLA's GPU compiler for an
     H200 described by its target config, and adds the fused programs' HBM bytes and kernels."""
     pytest.importorskip("jax_plugins.xla_cuda13")
+    import shutil
     import jax
+    if shutil.which("ptxas") is None:
+        pytest.skip("no ptxas (a CUDA toolkit) on PATH")
     if jax.default_backend() != "cpu":
         pytest.skip("the deviceless compile is checked where no GPU is attached")
     from infer.analytic import analyze, format_report
@@ -184,7 +187,11 @@ def test_compile_for_a_gpu_without_one(shape):
     assert rnd["kernels"] > step["kernels"] > 0 and rnd["bytes"] > step["bytes"] > 0
     assert 0 < verify["compiled"]["bytes"] < verify["bytes"]  # fused: below the count of every op's operands
     assert r["compiled"]["for"] == "h200" and abs(r["compiled"]["bytes"] - rnd["bytes"] / step["bytes"]) < 1e-9
-    assert "compiled by XLA for NVIDIA H200" in format_report(r)
+    for c in (step, rnd, verify["compiled"]):  # the L2 serves some reads: never more than all of them in HBM
+        assert 0 < c["bytes_l2"] <= c["bytes"]
+    assert abs(r["compiled"]["bytes_l2"] - rnd["bytes_l2"] / step["bytes_l2"]) < 1e-9 and r["compiled"]["speedup_l2"] > 0
+    text = format_report(r)
+    assert "compiled by XLA for NVIDIA H200" in text and "kept in L2" in text
 
 
 def test_hbm_traffic_does_not_charge_a_library_calls_workspace():
@@ -205,34 +212,51 @@ ENTRY %main (a: bf16[16,4096], w: bf16[4096,4096]) -> bf16[16,4096] {
 
 
 def test_hbm_traffic_keeps_small_intermediates_in_a_gpus_l2():
-    """With a GPU's L2 size, a kernel's result that fits half of it is read back from L2 by the next
-    kernel: neither its write nor that read is charged, while the inputs (weights) still are."""
+    """With a GPU's L2 size, a kernel's result that fits half of it and is read back before half the
+    L2 has streamed through is read from L2 and never written to HBM; read later, its write and that
+    read are charged. Inputs (weights) and the program's output always are."""
     from infer.analytic import hbm_traffic
-    text = """HloModule m, is_scheduled=true
 
-%split (p0: bf16[64,4096], p1: bf16[4096,4096]) -> f32[8,64,4096] {
-  %p0 = bf16[64,4096]{1,0} parameter(0)
-  %p1 = bf16[4096,4096]{1,0} parameter(1)
-  ROOT %d = f32[8,64,4096]{2,1,0} custom-call(%p0, %p1), custom_call_target="partials"
-}
+    def module(between):  # partial sums, then (optionally) a kernel streaming a big weight, then their sum
+        mid = "\n  %h = bf16[64,8192]{1,0} fusion(%x, %u), kind=kCustom, calls=%big" if between else ""
+        root_args = "%b, %h" if between else "%b"
+        sum_params = "q0: f32[8,64,4096], q1: bf16[64,8192]" if between else "q0: f32[8,64,4096]"
+        return f"""HloModule m, is_scheduled=true
 
-%sum (q0: f32[8,64,4096]) -> bf16[64,4096] {
-  %q0 = f32[8,64,4096]{2,1,0} parameter(0)
-  ROOT %r = bf16[64,4096]{1,0} custom-call(%q0), custom_call_target="reduce"
-}
+%split (p0: bf16[64,4096], p1: bf16[4096,4096]) -> f32[8,64,4096] {{
+  %p0 = bf16[64,4096]{{1,0}} parameter(0)
+  %p1 = bf16[4096,4096]{{1,0}} parameter(1)
+  ROOT %d = f32[8,64,4096]{{2,1,0}} custom-call(%p0, %p1), custom_call_target="partials"
+}}
 
-ENTRY %main (x: bf16[64,4096], w: bf16[4096,4096]) -> bf16[64,4096] {
-  %x = bf16[64,4096]{1,0} parameter(0)
-  %w = bf16[4096,4096]{1,0} parameter(1)
-  %f = f32[8,64,4096]{2,1,0} fusion(%x, %w), kind=kCustom, calls=%split
-  %b = f32[8,64,4096]{2,1,0} bitcast(%f)
-  ROOT %g = bf16[64,4096]{1,0} fusion(%b), kind=kInput, calls=%sum
-}
+%big (r0: bf16[64,4096], r1: bf16[4096,8192]) -> bf16[64,8192] {{
+  %r0 = bf16[64,4096]{{1,0}} parameter(0)
+  %r1 = bf16[4096,8192]{{1,0}} parameter(1)
+  ROOT %e = bf16[64,8192]{{1,0}} custom-call(%r0, %r1), custom_call_target="matmul"
+}}
+
+%sum ({sum_params}) -> bf16[64,4096] {{
+  %q0 = f32[8,64,4096]{{2,1,0}} parameter(0)
+  ROOT %r = bf16[64,4096]{{1,0}} custom-call(%q0), custom_call_target="reduce"
+}}
+
+ENTRY %main (x: bf16[64,4096], w: bf16[4096,4096], u: bf16[4096,8192]) -> bf16[64,4096] {{
+  %x = bf16[64,4096]{{1,0}} parameter(0)
+  %w = bf16[4096,4096]{{1,0}} parameter(1)
+  %u = bf16[4096,8192]{{1,0}} parameter(2)
+  %f = f32[8,64,4096]{{2,1,0}} fusion(%x, %w), kind=kCustom, calls=%split
+  %b = f32[8,64,4096]{{2,1,0}} bitcast(%f){mid}
+  ROOT %g = bf16[64,4096]{{1,0}} fusion({root_args}), kind=kInput, calls=%sum
+}}
 """
-    x, w, partial = 64 * 4096 * 2, 4096 * 4096 * 2, 8 * 64 * 4096 * 4
-    assert hbm_traffic(text)["bytes"] == (x + w + partial) + (partial + x)
-    assert hbm_traffic(text, l2_bytes=50 * 2**20)["bytes"] == x + w  # the partial sums and the result stay in L2
-    assert hbm_traffic(text, l2_bytes=2 * partial - 2)["bytes"] == (x + w + partial) + partial  # too big for it
+    x, w, u, h, partial = 64 * 4096 * 2, 4096 * 4096 * 2, 4096 * 8192 * 2, 64 * 8192 * 2, 8 * 64 * 4096 * 4
+    near, far = module(False), module(True)
+    assert hbm_traffic(near)["bytes"] == (x + w + partial) + (partial + x)
+    L2 = 50 * 2**20
+    assert hbm_traffic(near, l2_bytes=L2)["bytes"] == x + w + x  # the partial sums stay in L2; the output is written
+    assert hbm_traffic(near, l2_bytes=2 * partial - 2)["bytes"] == (x + w + partial) + partial + x  # too big for it
+    # 64 MB of weights stream through between the write and the read: the partials went to HBM and back
+    assert hbm_traffic(far, l2_bytes=L2)["bytes"] == (x + w) + (x + u) + (partial + partial + 0 + x)
 
 
 def test_hbm_traffic_charges_an_in_place_scatter_its_updates():

@@ -188,8 +188,9 @@ def test_bfloat16_draft_with_float32_target_is_lossless(models, reference, cfg, 
 
 @pytest.mark.parametrize("cfg", [(5, 10, 60), (2, 3, 8), (1, 1, 1)], ids=lambda c: "d%d_k%d_n%d" % c)
 def test_accelerator_ops_are_lossless(models, cfg):
-    """The GPU/TPU path's ops (`ops.XLA`: query-row-major attention scores, bf16-rounding dots), run
-    here on the CPU: EAGLE-2 stays token-identical to plain decoding through them."""
+    """The GPU/TPU path's ops (`ops.XLA`; with these float32 models, what differs from the CPU's
+    flavour is the query-row-major attention scores), run here on the CPU: EAGLE-2 stays
+    token-identical to plain decoding through them."""
     import dataclasses
     from eagle2_jax.ops import XLA
     t, d = (dataclasses.replace(m, ops=XLA) for m in models["noisy_oracle"])

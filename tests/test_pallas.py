@@ -36,7 +36,7 @@ def _inputs(rng, B, T, H, K, S, Dh, dtype, lengths, scratch=0):
 ])
 def test_kernel_equals_xla_attention(B, T, H, K, S, Dh, lengths, scratch):
     args = _inputs(np.random.default_rng(S + T), B, T, H, K, S, Dh, jnp.float32, lengths, scratch)
-    want = attend_xla(*args)
+    want = attend_xla(*args, slot_major=False)
     for block in (16, 128):
         got = tree_attention(*args, block=block, backend=BACKEND)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
@@ -44,7 +44,7 @@ def test_kernel_equals_xla_attention(B, T, H, K, S, Dh, lengths, scratch):
 
 def test_kernel_bfloat16_and_live_blocks():
     args = _inputs(np.random.default_rng(0), 2, 6, 4, 2, 256, 32, jnp.bfloat16, [100, 3], 4)
-    want = np.asarray(attend_xla(*args), np.float32)
+    want = np.asarray(attend_xla(*args, slot_major=False), np.float32)
     got = np.asarray(tree_attention(*args, block=32, backend=BACKEND), np.float32)
     np.testing.assert_allclose(got, want, atol=1.6e-2, rtol=1.6e-2)  # bf16 output rounding
     # the walk stops at the last slot any query may see: committed + the scratch in use

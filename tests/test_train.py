@@ -295,7 +295,7 @@ def test_eagle3_head_starts_from_the_targets_head():
 
 
 def test_eagle3_vocab_mask_drops_positions_whose_target_token_is_outside_the_draft_vocabulary():
-    """vocab_mask (the official EAGLE-3 loss mask) equals the plain loss with those positions taken
+    """The vocabulary mask (the official EAGLE-3 loss mask, --vocab-mask) equals the plain loss with those positions taken
     out of the assistant mask, at every rollout step; in_vocab reports the share kept."""
     import jax.numpy as jnp
     from eagle2_jax import init_draft
@@ -316,10 +316,12 @@ def test_eagle3_vocab_mask_drops_positions_whose_target_token_is_outside_the_dra
     head = vocab_head(t.module, t.params, jnp.asarray(vocab))
     args = (d.module, t.module, t.params, ids)
     common = (feats, None, 0.0, 1.0, 0.1, head, 2)
-    _, masked = draft_loss(d.params, *args, mask, *common, vocab_mask=True)
+    _, masked = draft_loss(d.params, *args, mask, *common, mask_ids_V=jnp.asarray(vocab))
     mask2 = np.asarray(mask).copy()
     mask2[:, 1:] *= keep
     _, plain = draft_loss(d.params, *args, jnp.asarray(mask2), *common)
     for k in ("loss", "ploss", "acc", "acc_1", "tokens"):
         np.testing.assert_allclose(float(masked[k]), float(plain[k]), rtol=1e-6)
     np.testing.assert_allclose(float(masked["in_vocab"]), keep[np.asarray(mask)[:, 1:] > 0].mean(), rtol=1e-6)
+    with pytest.raises(SystemExit, match="needs a draft vocabulary"):
+        tdraft.load_config(["--data", "d", "--out", "o", "--vocab-mask", "true"])

@@ -84,6 +84,8 @@ def load_config(argv=None) -> dict:
     for req in ("data", "out"):
         if not cfg[req]:
             sys.exit(f"error: --{req} is required (or set it in --config)")
+    if cfg["vocab_mask"] and not cfg["draft_vocab"]:
+        sys.exit("error: --vocab-mask needs a draft vocabulary (--draft-vocab)")
     return cfg
 
 
@@ -182,7 +184,7 @@ def build_step(tmodule, dmodule, opt, cfg, fixed=None):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, key, cfg["noise"],
                                       cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"],
-                                      cfg["vocab_mask"])
+                                      vocab_ids if cfg["vocab_mask"] else None)
         updates, opt_state = opt.update(grads, opt_state, dparams)
         return optax.apply_updates(dparams, updates), opt_state, metrics
 
@@ -191,7 +193,7 @@ def build_step(tmodule, dmodule, opt, cfg, fixed=None):
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
         _, metrics = loss_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, None, 0.0,
                                 cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"],
-                                cfg["vocab_mask"])
+                                vocab_ids if cfg["vocab_mask"] else None)
         return metrics
 
     return jax.jit(step, donate_argnums=(0, 1)), jax.jit(evaluate)

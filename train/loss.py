@@ -43,7 +43,7 @@ def vocab_head(tmodule, tparams, ids_V):
 
 def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, noise_key, noise: float,
                v_weight: float, p_weight: float, head_DV=None, rollout: int = 1, rollout_decay: float = 0.8,
-               vocab_mask: bool = False):
+               mask_ids_V=None):
     """Returns (loss, metrics). Gradients flow into dparams only.
 
     With `head_DV` (a `vocab_head` over the draft's vocabulary) the cross-entropy and accuracy
@@ -58,8 +58,8 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     the chain. Step k's loss weighs rollout_decay**k. Metrics vloss/ploss/acc are step 0's,
     loss the weighted sum; acc_k (k >= 1) is step k's top-1 accuracy.
 
-    `vocab_mask` (with `head_DV`; the official EAGLE-3 recipe): positions whose next token under the
-    target's full vocabulary (its argmax) lies outside the draft vocabulary are left out of the loss
+    `mask_ids_V` (the draft vocabulary's ids; the official EAGLE-3 recipe): positions whose next
+    token under the target's full vocabulary (its argmax) is not among them are left out of the loss
     and the accuracy, instead of counting against the target renormalised over the draft tokens.
     Metric `in_vocab`: the share of step 0's positions kept.
     """
@@ -86,9 +86,10 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     t_p = jax.nn.softmax(t_logits, axis=-1)
     t_top = jnp.argmax(t_logits, -1)
     keep = None  # [B, T-1]: the target's full-vocabulary argmax is a draft token
-    if vocab_mask and head_DV is not None:
-        full = target_logits(tmodule, tparams, tgt.astype(dmodule.dtype))
-        keep = jax.lax.stop_gradient(jnp.max(t_logits, -1) >= jnp.max(full, -1))
+    if mask_ids_V is not None:
+        full_top = jnp.argmax(target_logits(tmodule, tparams, tgt.astype(dmodule.dtype)), -1)
+        in_vocab = jnp.zeros(tmodule.config.vocab_size, bool).at[mask_ids_V].set(True)
+        keep = jax.lax.stop_gradient(in_vocab[full_top])
     embed = lambda ids: jax.lax.stop_gradient(target_embed(tmodule, tparams, ids))  # noqa: E731
     if eagle3:
         from eagle2_jax.eagle3 import Eagle3Draft

@@ -15,6 +15,7 @@ large batches) and non-float32 operands use XLA on the materialised slice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -61,6 +62,7 @@ def _stack_and_layer(w):
 class CpuOps(core_ops.Ops):
     name: str = "cpu"
     f32_dot_outputs: bool = True
+    slot_major_scores: bool = True  # (XLA:CPU's faster orientation, for the XLA attention fallback)
     attention: bool = True  # the attention kernel for float32 caches
 
     def weight(self, w):
@@ -151,7 +153,8 @@ def _attend_kernel_bwd(args, g):
     """Gradients through XLA's attention (training; the kernel has none)."""
     q, k, v, mask, kn, vn, mask_new, layer = args
     sl = (lambda a: a) if layer is None else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
-    dq, dk, dv, dm, dkn, dvn, dmn = jax.vjp(core_ops.attend_xla, q, sl(k), sl(v), mask, kn, vn, mask_new)[1](g)
+    xla = functools.partial(core_ops.attend_xla, slot_major=True)
+    dq, dk, dv, dm, dkn, dvn, dmn = jax.vjp(xla, q, sl(k), sl(v), mask, kn, vn, mask_new)[1](g)
     if layer is not None:
         dk, dv = jnp.zeros_like(k).at[layer].set(dk), jnp.zeros_like(v).at[layer].set(dv)
     import numpy as np
