@@ -406,10 +406,20 @@ def load_target(source: str, dtype="auto", mesh=None, tokenizer: bool = True,
     """Load a target from a named model, a Hugging Face directory or a .gguf file (`packed`: see
     load_gguf; Hugging Face directories are never packed), or random weights of a published shape
     (`random:llama-3.1-8b`, see RANDOM_SHAPES; no tokenizer), for timing. dtype "auto": float32 on
-    CPU, bfloat16 on GPU/TPU (eagle2_jax.defaults).
+    CPU, bfloat16 on GPU/TPU (eagle2_jax.defaults). On GPU each layer's weights become a buffer of
+    their own (eagle2_jax.layer_list; EAGLE2_JAX_LAYERS=scan keeps them stacked).
 
     With `abstract` (random shapes and config.json files only), params are jax.ShapeDtypeStruct
     leaves: nothing is allocated, and `generate(..., compile_only=True)` compiles for it."""
+    from . import defaults, layer_list
+    target = _load_target(source, dtype, mesh, tokenizer, packed, abstract)
+    if layer_list.wanted(defaults.platform()):
+        target = layer_list.per_layer(target)
+    return target
+
+
+def _load_target(source: str, dtype="auto", mesh=None, tokenizer: bool = True,
+                 packed: bool | None = None, abstract: bool = False) -> Target:
     resolve_dtype(dtype)
     if abstract and not str(source).startswith(RANDOM_PREFIX):
         if str(source).endswith(".json") and os.path.exists(str(source)):

@@ -87,7 +87,11 @@ class Ops:
                           slot_major=self.slot_major_scores)
 
     def scan_layers(self, body: Callable, carry, xs):
-        """`lax.scan(body, carry, xs)` over stacked layers (xs leaves [L, ...])."""
+        """`lax.scan(body, carry, xs)` over stacked layers (xs leaves [L, ...]); over per-layer
+        weight buffers (`layer_list.LayerList` leaves) the body once per layer instead."""
+        from .layer_list import holds_layer_lists, unrolled_scan
+        if holds_layer_lists(xs):
+            return unrolled_scan(body, carry, xs)
         return jax.lax.scan(body, carry, xs, unroll=self.unroll_layers)
 
 

@@ -8,11 +8,10 @@ tau on a named accelerator. No weights are needed (abstract params), so it runs 
 Bytes and FLOPs are `Lowered.cost_analysis()` of each program before XLA's optimisations: every op's
 operands and results counted as if nothing were fused, so backend-specific rewrites (CPU fusion
 choices) do not distort them; they over-count what a fused kernel reads and are an upper bound.
-XLA counts a while loop's body once, so for the analysis the layers are unrolled and each layer's
-weights are a buffer of their own (`LayerList`, `AnalysisOps`): each weight is then counted once, as
-it is read when XLA fuses the scan's per-layer slice into the matmul, instead of three times
-(slice read, slice written, slice read). The programs that run keep the rolled scan over stacked
-weights. The stacked KV cache is still sliced per layer, as the program does. Kernels: instructions of the
+XLA counts a while loop's body once, so for the analysis each layer's weights are a buffer of their
+own and the layer loop is unrolled (`eagle2_jax.layer_list.per_layer`, as programs run on GPU):
+each weight counts once. The stacked KV cache is still sliced per layer, as the program does.
+Kernels: instructions of the
 program XLA compiles for this machine's backend (fusions, library calls, copies; not parameters,
 constants, tuples or bitcasts): a proxy for GPU/TPU launches, whose fusion choices differ. They are
 counted on the programs with float32 dot outputs rounded by a second op (`Ops.f32_dot_outputs`,
@@ -24,7 +23,9 @@ its dots, so its bytes say nothing about an accelerator.)
 With `compile_for` (`--compile-for h200`, `h100`, `tpu-v6e`, `tpu-v5e`) the programs are also
 compiled by XLA's GPU or TPU compiler on this machine (no device: a deviceless topology, with the
 CUDA plugin or libtpu installed), and `hbm_traffic` reads what the fused programs move to and from
-HBM: the figures a fusing compiler's output gives, beside the upper bound above.
+HBM: the figures a fusing compiler's output gives, beside the upper bound above. They are compiled
+as they run there: per-layer weight buffers on GPU, stacked weights under a scan on TPU
+(`layer_list.wanted`).
 
 Parts: draft = expand + rerank (the draft passes, the candidate pool, the tree); verify = one target
 forward over the N tree tokens + the LM head; accept = greedy acceptance + KV compaction + output +
@@ -74,65 +75,6 @@ def count_kernels(hlo_text: str) -> int:
             if m and m.group(1) not in _SKIP:
                 total += 1
     return total
-
-
-def _layer_list_class():
-    import jax
-
-    @jax.tree_util.register_pytree_node_class
-    class LayerList:
-        """A stacked weight [L, ...] held as L separate buffers (analysis only)."""
-
-        def __init__(self, items):
-            self.items = list(items)
-
-        def tree_flatten(self):
-            return self.items, None
-
-        @classmethod
-        def tree_unflatten(cls, aux, items):
-            return cls(items)
-
-        @property
-        def shape(self):
-            return (len(self.items),) + tuple(self.items[0].shape)
-
-        @property
-        def dtype(self):
-            return self.items[0].dtype
-
-        def __getitem__(self, i):
-            return self.items[i]
-    return LayerList
-
-
-LayerList = _layer_list_class()
-
-
-def unstack_layers(params):
-    """params with every leaf under "layers" as a LayerList of per-layer abstract arrays."""
-    import jax
-    layers = jax.tree_util.tree_map(
-        lambda a: LayerList([jax.ShapeDtypeStruct(a.shape[1:], a.dtype)] * a.shape[0]), params["layers"])
-    return {**params, "layers": layers}
-
-
-def analysis_ops(base):
-    """`base` (an Ops) whose layer scan is a Python loop over LayerList weights (and static slices of
-    anything else stacked, e.g. the KV cache)."""
-    import jax
-    import jax.numpy as jnp
-
-    def scan_layers(self, body, carry, xs):
-        is_list = lambda a: isinstance(a, LayerList)  # noqa: E731
-        L = jax.tree_util.tree_leaves(xs, is_leaf=is_list)[0].shape[0]
-        ys = []
-        for i in range(L):
-            carry, y = body(carry, jax.tree_util.tree_map(lambda a: a[i], xs, is_leaf=is_list))
-            ys.append(y)
-        return carry, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)
-    cls = type("Analysis" + type(base).__name__, (type(base),), {"scan_layers": scan_layers})
-    return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
 
 
 # ---- where the bytes go: the lowered program's instructions by kind ---------------------------
@@ -315,6 +257,18 @@ def _hbm_bytes(shape_text: str) -> int:
     return total
 
 
+def _counted_trips(comps, cond: str) -> int:
+    """Trips of a while loop whose condition is `i < N` for a constant N (a scan or fori loop from 0
+    by 1, as JAX writes them; XLA's TPU compiler leaves no known_trip_count on them); else 1."""
+    body = comps.get(cond, [])
+    consts = {i["name"]: re.search(r"constant\((-?\d+)\)", i["line"]) for i in body if i["op"] == "constant"}
+    root = body[-1] if body else None
+    if root is None or root["op"] != "compare" or "direction=LT" not in root["line"] or len(root["args"]) != 2:
+        return 1
+    bound = consts.get(root["args"][1])
+    return int(bound.group(1)) if bound else 1
+
+
 _LIBRARY_CALL = re.compile(r'custom_call_target="__(cublas|cudnn)')
 _IN_PLACE = ("dynamic-update-slice", "scatter")
 
@@ -412,22 +366,31 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
             uses += through(comp, ins["name"]) if trivial else [(ins, ins["args"].index(name))]
         return uses
 
+    def param_read(callee, k, full):
+        """What a fusion reads of its operand k (`full` bytes in HBM): the slices or rows it takes,
+        through nested fusions; nothing of a buffer it only updates in place; else all of it."""
+        body = comps.get(callee, [])
+        p = next((i for i in body if i["op"] == "parameter"
+                  and int(re.search(r"parameter\((\d+)\)", i["line"]).group(1)) == k), None)
+        uses = through(callee, p["name"]) if p is not None else []
+        if not full or not uses:
+            return full
+        total = 0
+        for u, j in uses:
+            if u["op"] in ("slice", "dynamic-slice", "gather") and j == 0:
+                total += _bytes(u["shape"])
+            elif u["op"] in ("dynamic-update-slice", "scatter") and j == 0:
+                continue  # (updated in place: only the update is written)
+            elif u["op"] == "fusion":  # a nested fusion: what it reads of that parameter
+                total += param_read(re.search(r"calls=%?([\w.\-]+)", u["line"]).group(1), j, full)
+            else:
+                return full
+        return min(full, total)
+
     def fusion_bytes(callee, operands, result_hbm):
         body = comps.get(callee, [])
         sizes = {i["name"]: _bytes(i["shape"]) for i in body}
-        total = 0
-        for ins in body:
-            if ins["op"] != "parameter":
-                continue
-            k = int(re.search(r"parameter\((\d+)\)", ins["line"]).group(1))
-            full = operands[k] if k < len(operands) else 0  # 0 when it is on chip
-            uses = through(callee, ins["name"])
-            part = lambda u, j: (u["op"] in ("slice", "dynamic-slice", "gather") and j == 0) or (  # noqa: E731
-                u["op"] == "fusion" and "kind=kLoop" in u["line"])  # a nested loop fusion reads what it writes
-            if uses and all(part(u, j) for u, j in uses):
-                total += min(full, sum(sizes[u["name"]] for u, _ in uses))
-            elif not (uses and all(u["op"] in ("dynamic-update-slice", "scatter") and j == 0 for u, j in uses)):
-                total += full  # (a buffer updated in place is not read: only the update is written)
+        total = sum(param_read(callee, k, b) for k, b in enumerate(operands))  # (0 when it is on chip)
         if not body or not result_hbm:
             return total + result_hbm
         roots = [body[-1]]
@@ -463,7 +426,7 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
             if op == "while":
                 n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 b, k = walk(re.search(r"body=%?([\w.\-]+)", line).group(1))
-                n = int(n.group(1)) if n else 1
+                n = int(n.group(1)) if n else _counted_trips(comps, re.search(r"condition=%?([\w.\-]+)", line).group(1))
                 nbytes, kernels = nbytes + b * n, kernels + k * n
                 continue
             if op == "conditional":
@@ -532,7 +495,7 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     import jax
     import numpy as np
     import eagle2_jax as e2
-    from eagle2_jax import eagle, vanilla
+    from eagle2_jax import eagle, layer_list, vanilla
     from eagle2_jax.config import SamplingConfig
     from eagle2_jax.draft import with_draft_vocab
     from eagle2_jax.sampling import SamplingParams
@@ -565,15 +528,18 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         if attention == "xla":
             return jitted.lower(*a, **kw)
         return jitted.trace(*a, **kw).lower(lowering_platforms=(platform,))
-    target0, draft0 = dataclasses.replace(target, params=unstack_layers(target.params)), draft
+    stacked, draft0 = target, draft  # (per_layer: each layer's weights a buffer of their own, the loop unrolled)
 
-    def lower_all(base, on=None):
-        """The lowered step and round parts with `base` ops (layers unrolled for the analysis), for
-        this machine or (`on`, a placement) for a GPU or TPU."""
+    def lower_all(base, on=None, per_layer=True):
+        """The lowered step and round parts with `base` ops, for this machine or (`on`, a placement)
+        for a GPU or TPU; `per_layer`: the layers' weights as per-layer buffers and the layer loop
+        unrolled (else stacked and scanned)."""
         nonlocal place
         place = on
-        ops = analysis_ops(base)
-        target, draft = dataclasses.replace(target0, ops=ops), dataclasses.replace(draft0, ops=ops)
+        target = dataclasses.replace(stacked, ops=base)
+        if per_layer:
+            target = layer_list.per_layer(target)
+        draft = dataclasses.replace(draft0, ops=base)
         tm, dm, tp, dp = target.module, draft.module, target.params, draft.params
         _, args, static = vanilla._program_inputs(target, prompts, max_new_tokens, None, 0, SamplingConfig())
         pst = lower(vanilla.PREFILL._jit, *args, **static).out_info
@@ -597,7 +563,9 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         # step and the round are one trip of the decode loops (vanilla.LOOP, eagle.LOOP), the parts
         # standalone programs (which also convert their inputs' layouts on entry and exit)
         kernels = False
-        for k, lo in lower_all(base, on=placement(compile_for))[0].items():
+        # as they run there: per-layer weight buffers on GPU (layer_list.wanted), a scan over stacks on TPU
+        runs_per_layer = layer_list.wanted("gpu" if compile_for in GPU_TARGETS else "tpu")
+        for k, lo in lower_all(base, on=placement(compile_for), per_layer=runs_per_layer)[0].items():
             if k in ("step", "round"):
                 continue  # one trip of their loops stands for them
             exe = lo.compile()

@@ -1,0 +1,108 @@
+"""Per-layer weight buffers: the target's layers as L separate buffers and an unrolled layer loop.
+
+The core scans the decoder layers over stacked weights ([L, ...] leaves under params["layers"]):
+one compiled layer body whatever the depth. XLA's TPU compiler reads each layer's slice of the
+stack in place. XLA's GPU compiler does not: inside the scan it copies every layer's weights out of
+the stack (a dynamic-slice kernel) before each matmul, so a plain Llama-3.1-8B step reads ~42 GB
+instead of ~15 GB (`python -m infer.roundcost --analytic --compile-for h200`; the same with a static
+unroll of the stack). With each layer's weights a buffer of their own the matmuls read them where
+they are, at the price of compiling every layer (MaxText's scan_layers=False).
+
+`per_layer(target)` turns a loaded target's stacked weights into `LayerList` leaves (one buffer per
+layer, same shardings); `Ops.scan_layers` sees them and runs the layer body once per layer instead
+of a scan (`unrolled_scan`), reading the stacked KV cache by static slices. `load_target` does this
+on GPU unless EAGLE2_JAX_LAYERS=scan (EAGLE2_JAX_LAYERS=list does it everywhere).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+SWITCH = "EAGLE2_JAX_LAYERS"  # "scan": stacked weights, one scanned layer body; "list": per-layer buffers
+
+
+@jax.tree_util.register_pytree_node_class
+class LayerList:
+    """One stacked weight [L, ...] held as L separate buffers; indexes and reports shape and dtype
+    as the stack would."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def tree_flatten(self):
+        return self.items, None
+
+    @classmethod
+    def tree_unflatten(cls, aux, items):
+        return cls(items)
+
+    @property
+    def shape(self):
+        return (len(self.items),) + tuple(self.items[0].shape)
+
+    @property
+    def dtype(self):
+        return self.items[0].dtype
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+
+def is_layer_list(x) -> bool:
+    return isinstance(x, LayerList)
+
+
+def holds_layer_lists(tree) -> bool:
+    return any(is_layer_list(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_layer_list))
+
+
+def unstack(layers):
+    """A pytree of stacked [L, ...] leaves (arrays or abstract ShapeDtypeStructs) as LayerLists."""
+    def split(a):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            s = a.sharding
+            if isinstance(s, jax.sharding.NamedSharding):  # the stack's spec without the layer axis
+                s = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:]))
+            return LayerList([jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=s)] * a.shape[0])
+        return LayerList([a[i] for i in range(a.shape[0])])
+    return jax.tree_util.tree_map(split, layers)
+
+
+def unrolled_scan(body, carry, xs):
+    """`lax.scan(body, carry, xs)` as a Python loop: LayerList leaves give their i-th buffer, stacked
+    arrays (the KV cache) their static i-th slice; the outputs are stacked as a scan stacks them."""
+    L = jax.tree_util.tree_leaves(xs, is_leaf=is_layer_list)[0].shape[0]
+    ys = []
+    for i in range(L):
+        carry, y = body(carry, jax.tree_util.tree_map(lambda a: a[i], xs, is_leaf=is_layer_list))
+        ys.append(y)
+    return carry, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)
+
+
+def per_layer(target):
+    """The target with its stacked layer weights as per-layer buffers (a no-op if they already are)."""
+    from .ops import Ops
+    if holds_layer_lists(target.params["layers"]):
+        return target
+    if type(target.ops).scan_layers is not Ops.scan_layers:
+        raise ValueError(f"the {target.ops.name!r} backend reads stacked layer weights itself; "
+                         f"per-layer buffers are for the XLA path (GPU)")
+    return dataclasses.replace(target, params={**target.params, "layers": unstack(target.params["layers"])})
+
+
+def wanted(platform: str) -> bool:
+    """Per-layer buffers for this platform ('cpu', 'gpu', 'tpu')? EAGLE2_JAX_LAYERS overrides."""
+    choice = os.environ.get(SWITCH, "").strip().lower()
+    if choice not in ("", "scan", "list"):
+        raise ValueError(f"{SWITCH} must be 'scan' or 'list', got {choice!r}")
+    return choice == "list" or (choice == "" and platform == "gpu")

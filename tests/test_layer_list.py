@@ -1,0 +1,103 @@
+"""Per-layer weight buffers (GPU's layout, eagle2_jax.layer_list) give the same tokens as stacked weights."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import eagle2_jax as e2
+from eagle2_jax import layer_list
+from eagle2_jax.layer_list import LayerList, per_layer
+from eagle2_jax.ops import XLA, XLA_CPU
+from helpers import tiny_config
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def _xla(m, ops):
+    return dataclasses.replace(m, ops=ops)
+
+
+@pytest.mark.parametrize("ops", [XLA_CPU, XLA], ids=["xla-cpu", "xla"])
+def test_per_layer_buffers_give_the_same_tokens(ops):
+    t = _xla(e2.init_target(tiny_config(num_hidden_layers=3), 0), ops)
+    d = _xla(e2.init_draft(t, 1), ops)
+    tl = per_layer(t)
+    q = tl.params["layers"]["attn"]["q"]["kernel"]
+    assert isinstance(q, LayerList) and len(q) == 3 and q.shape == t.params["layers"]["attn"]["q"]["kernel"].shape
+    np.testing.assert_array_equal(np.asarray(q[1]), np.asarray(t.params["layers"]["attn"]["q"]["kernel"][1]))
+    assert per_layer(tl) is tl
+    plain = e2.generate_vanilla(t, PROMPTS, max_new_tokens=14).tokens
+    assert e2.generate_vanilla(tl, PROMPTS, max_new_tokens=14).tokens == plain
+    for tree in (e2.TreeConfig(3, 3, 10), e2.TreeConfig(5, 10, 60)):
+        assert e2.generate(tl, d, PROMPTS, max_new_tokens=14, tree=tree).tokens == plain
+    sampled = dict(max_new_tokens=14, temperature=1.0, seed=3, tree=e2.TreeConfig(3, 3, 10))
+    assert e2.generate(tl, d, PROMPTS, **sampled).tokens == e2.generate(t, d, PROMPTS, **sampled).tokens
+
+
+def test_eagle3_aux_features_through_per_layer_buffers():
+    """An EAGLE-3 head reads three layers' hidden states, picked inside the layer loop."""
+    t = _xla(e2.init_target(tiny_config(num_hidden_layers=4), 2), XLA_CPU)
+    d = _xla(e2.init_draft(t, 3, arch="eagle3", draft_vocab_size=40), XLA_CPU)
+    tl = per_layer(t)
+    tree = e2.TreeConfig(3, 3, 8)
+    out = e2.generate(tl, d, PROMPTS, max_new_tokens=16, tree=tree)
+    assert out.tokens == e2.generate_vanilla(t, PROMPTS, max_new_tokens=16).tokens
+    assert out.accept_lengths == e2.generate(t, d, PROMPTS, max_new_tokens=16, tree=tree).accept_lengths
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+def test_per_layer_buffers_keep_their_shards():
+    mesh = e2.make_mesh(2, 4)
+    cfg = tiny_config(num_attention_heads=8, num_key_value_heads=4, hidden_size=64, intermediate_size=128)
+    t = e2.init_target(cfg, 0, mesh=mesh)
+    d = e2.init_draft(t, 1)
+    tl = per_layer(t)
+    for a, b in (("mlp", "gate"), ("attn", "q"), ("attn", "o")):  # each buffer: the stack's shards, layer axis dropped
+        stacked, one = t.params["layers"][a][b]["kernel"], tl.params["layers"][a][b]["kernel"][0]
+        drop = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))  # noqa: E731 (trailing Nones implied)
+        assert drop(one.sharding.spec, one.ndim) == drop(stacked.sharding.spec, stacked.ndim)[1:]
+        assert one.sharding.mesh.shape == mesh.shape
+    tree = e2.TreeConfig(3, 3, 12)
+    assert e2.generate(tl, d, PROMPTS, max_new_tokens=12, tree=tree).tokens == \
+        e2.generate_vanilla(t, PROMPTS, max_new_tokens=12).tokens
+
+
+def test_abstract_stacks_split_with_their_specs():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("model",))
+    spec = jax.sharding.PartitionSpec(None, None, "model")
+    a = jax.ShapeDtypeStruct((4, 8, 16), np.float32, sharding=jax.sharding.NamedSharding(mesh, spec))
+    ll = layer_list.unstack({"w": a})["w"]
+    assert ll.shape == (4, 8, 16) and ll[2].shape == (8, 16)
+    assert ll[2].sharding.spec == jax.sharding.PartitionSpec(None, "model")
+
+
+def test_when_per_layer_buffers_are_used(monkeypatch):
+    monkeypatch.delenv(layer_list.SWITCH, raising=False)
+    assert layer_list.wanted("gpu") and not layer_list.wanted("cpu") and not layer_list.wanted("tpu")
+    monkeypatch.setenv(layer_list.SWITCH, "scan")
+    assert not layer_list.wanted("gpu")
+    monkeypatch.setenv(layer_list.SWITCH, "list")
+    assert layer_list.wanted("cpu")
+    monkeypatch.setenv(layer_list.SWITCH, "unrolled")
+    with pytest.raises(ValueError, match="must be 'scan' or 'list'"):
+        layer_list.wanted("gpu")
+
+
+def test_load_target_gives_per_layer_buffers_when_asked(monkeypatch, tmp_path):
+    from eagle2_jax.checkpoints import save_hf_dir
+    src = save_hf_dir(_xla(e2.init_target(tiny_config(), 0), XLA_CPU), str(tmp_path / "t"))
+    monkeypatch.setenv(layer_list.SWITCH, "list")
+    monkeypatch.setenv("EAGLE2_JAX_CPU_KERNELS", "0")  # the plain XLA path (the CPU backend scans stacks itself)
+    t = e2.load_target(src)
+    assert isinstance(t.params["layers"]["mlp"]["up"]["kernel"], LayerList)
+    monkeypatch.setenv(layer_list.SWITCH, "scan")
+    assert not isinstance(e2.load_target(src).params["layers"]["mlp"]["up"]["kernel"], LayerList)
+
+
+def test_the_cpu_backend_keeps_its_stacks():
+    t = e2.init_target(tiny_config(), 0)
+    if type(t.ops).scan_layers is type(XLA).scan_layers:
+        pytest.skip("no CPU backend here")
+    with pytest.raises(ValueError, match="reads stacked layer weights itself"):
+        per_layer(t)
