@@ -454,12 +454,14 @@ def save_hf_dir(target: Target, directory: str) -> str:
     if isinstance(target.params.get("embed"), dict):
         raise CheckpointError("this target keeps its weights in a backend's own form (GGUF blocks): "
                               "load it with packed=False to save it")
+    from . import layer_list
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), target.params)
     sd = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["norm"]["scale"]}
     if not c.tie_word_embeddings:
         sd["lm_head.weight"] = p["lm_head"].T
     for i in range(c.num_hidden_layers):
-        L, pre = jax.tree_util.tree_map(lambda a: a[i], p["layers"]), f"model.layers.{i}."
+        L = jax.tree_util.tree_map(lambda a: a[i], p["layers"], is_leaf=layer_list.is_layer_list)  # (stacked or
+        pre = f"model.layers.{i}."  # per-layer buffers alike)
         sd[pre + "input_layernorm.weight"] = L["input_norm"]["scale"]
         sd[pre + "post_attention_layernorm.weight"] = L["post_norm"]["scale"]
         for n in ("q", "k", "v"):

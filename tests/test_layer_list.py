@@ -101,3 +101,12 @@ def test_the_cpu_backend_keeps_its_stacks():
         pytest.skip("no CPU backend here")
     with pytest.raises(ValueError, match="reads stacked layer weights itself"):
         per_layer(t)
+
+
+def test_a_per_layer_target_saves_and_reloads(tmp_path):
+    from eagle2_jax.checkpoints import save_hf_dir
+    t = _xla(e2.init_target(tiny_config(), 0), XLA_CPU)
+    src = save_hf_dir(per_layer(t), str(tmp_path / "t"))
+    back = e2.load_target(src, tokenizer=False)
+    for a, b in zip(jax.tree_util.tree_leaves(back.params), jax.tree_util.tree_leaves(t.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
