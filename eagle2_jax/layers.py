@@ -98,8 +98,11 @@ def attention(ops: Ops, c: ModelConfig, p, x_BTD, positions_BT, k_BKSD, v_BKSD, 
 
 
 def mlp(ops: Ops, p, x):
-    h = nn.silu(dense(ops, p["gate"], x)) * dense(ops, p["up"], x)
-    return dense(ops, p["down"], h)
+    if "gate_up" in p:  # gate and up as one matmul over their concatenated weights (layer_list.per_layer)
+        gate, up = jnp.split(dense(ops, p["gate_up"], x), 2, axis=-1)
+    else:
+        gate, up = dense(ops, p["gate"], x), dense(ops, p["up"], x)
+    return dense(ops, p["down"], nn.silu(gate) * up)
 
 
 def decoder_layer(ops: Ops, c: ModelConfig, p, x_BTD, positions_BT, k_BKSD, v_BKSD, masks):

@@ -27,6 +27,10 @@ def test_per_layer_buffers_give_the_same_tokens(ops):
     assert isinstance(q, LayerList) and len(q) == 3 and q.shape == t.params["layers"]["attn"]["q"]["kernel"].shape
     np.testing.assert_array_equal(np.asarray(q[1]), np.asarray(t.params["layers"]["attn"]["q"]["kernel"][1]))
     assert per_layer(tl) is tl
+    mlp, stacked = tl.params["layers"]["mlp"], t.params["layers"]["mlp"]
+    assert set(mlp) == {"gate_up", "down"}  # gate and up as one [D, 2F] matmul per layer
+    np.testing.assert_array_equal(np.asarray(mlp["gate_up"]["kernel"][2]), np.concatenate(
+        [np.asarray(stacked["gate"]["kernel"][2]), np.asarray(stacked["up"]["kernel"][2])], axis=-1))
     plain = e2.generate_vanilla(t, PROMPTS, max_new_tokens=14).tokens
     assert e2.generate_vanilla(tl, PROMPTS, max_new_tokens=14).tokens == plain
     for tree in (e2.TreeConfig(3, 3, 10), e2.TreeConfig(5, 10, 60)):
@@ -53,6 +57,7 @@ def test_per_layer_buffers_keep_their_shards():
     t = e2.init_target(cfg, 0, mesh=mesh)
     d = e2.init_draft(t, 1)
     tl = per_layer(t)
+    assert set(tl.params["layers"]["mlp"]) == {"gate", "up", "down"}  # split over "model": not concatenated
     for a, b in (("mlp", "gate"), ("attn", "q"), ("attn", "o")):  # each buffer: the stack's shards, layer axis dropped
         stacked, one = t.params["layers"][a][b]["kernel"], tl.params["layers"][a][b]["kernel"][0]
         drop = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))  # noqa: E731 (trailing Nones implied)
@@ -90,7 +95,7 @@ def test_load_target_gives_per_layer_buffers_when_asked(monkeypatch, tmp_path):
     monkeypatch.setenv(layer_list.SWITCH, "list")
     monkeypatch.setenv("EAGLE2_JAX_CPU_KERNELS", "0")  # the plain XLA path (the CPU backend scans stacks itself)
     t = e2.load_target(src)
-    assert isinstance(t.params["layers"]["mlp"]["up"]["kernel"], LayerList)
+    assert isinstance(t.params["layers"]["mlp"]["down"]["kernel"], LayerList)
     monkeypatch.setenv(layer_list.SWITCH, "scan")
     assert not isinstance(e2.load_target(src).params["layers"]["mlp"]["up"]["kernel"], LayerList)
 
