@@ -5,7 +5,8 @@
 #   bash scripts/gpu_bench.sh prepare   # here, once: fill .gpu/ (below; .gitignore keeps it out of git)
 #   bash scripts/gpu_bench.sh a    # lossless tests on the GPU; the Llama-3.1-8B shape (random bf16 weights,
 #                                  # random head with a 32K draft vocabulary): compile seconds, plain step and
-#                                  # round ms at N = 16, 32, 60; the same round at N = 60 with the Pallas
+#                                  # round ms at N = 16, 32, 60 (per-layer weight buffers, the GPU default);
+#                                  # N = 60 with the layers scanned (EAGLE2_JAX_LAYERS=scan); N = 60 with the Pallas
 #                                  # attention kernel (EAGLE2_JAX_ATTENTION=pallas) and the kernel's tests
 #   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head, reference tree 5/10/60: infer.bench on
 #                                  # the first 20 MT-bench first turns (plain vs EAGLE-2, tau, greedy identity)
@@ -64,6 +65,11 @@ if [ "$PHASE" = a ]; then
     --top-k 10 --total-tokens 16,32,60 --parts round --repeats 10 --calibration-rounds 1 --calibration-prompts 1 \
     --out /tmp/res/rc8b 2>&1 | grep -v "batch sizes"
   cp /tmp/res/rc8b/roundcost.json "$OUT/rc8b.json" 2>/dev/null
+  stamp "the same at N = 60 with the layers scanned over stacked weights (per-layer buffers are the GPU default)"
+  EAGLE2_JAX_LAYERS=scan timeout 120 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 \
+    --depth 5 --top-k 10 --total-tokens 60 --parts round --repeats 10 --calibration-rounds 1 --calibration-prompts 1 \
+    --out /tmp/res/rc8b_scan 2>&1 | grep -v "batch sizes"
+  cp /tmp/res/rc8b_scan/roundcost.json "$OUT/rc8b_scan.json" 2>/dev/null
   stamp "the Pallas tree-attention kernel (opt-in): its tests on the GPU (Triton), then the 8B round at N = 60 with it"
   timeout 60 python3 -m pytest -x -q -p no:cacheprovider tests/test_pallas.py -k "equals or bfloat16 or lossless" 2>&1 | tail -3
   EAGLE2_JAX_ATTENTION=pallas timeout 120 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 \
