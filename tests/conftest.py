@@ -14,6 +14,19 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each test module's compiled programs when it ends: every XLA:CPU executable keeps
+    memory mappings of its own, and the whole suite's would pass the kernel's limit (vm.max_map_count,
+    65,530 by default; XLA aborts the process when a compile cannot map)."""
+    yield
+    import gc
+    from eagle2_jax import programs
+    programs.clear_all()
+    jax.clear_caches()
+    gc.collect()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: slower tests (real model, big grids); run with -m slow")
 
