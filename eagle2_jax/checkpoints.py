@@ -413,8 +413,8 @@ def load_target(source: str, dtype="auto", mesh=None, tokenizer: bool = True,
     leaves: nothing is allocated, and `generate(..., compile_only=True)` compiles for it."""
     from . import defaults, layer_list
     target = _load_target(source, dtype, mesh, tokenizer, packed, abstract)
-    if layer_list.wanted(defaults.platform()):
-        target = layer_list.per_layer(target)
+    if layer_list.wanted(defaults.platform()) and layer_list.uses_core_layer_loop(target):
+        target = layer_list.per_layer(target)  # (a backend with its own layer loop keeps its stacks)
     return target
 
 

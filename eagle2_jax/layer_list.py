@@ -103,10 +103,9 @@ def per_layer(target):
     one [D, 2F] buffer, "gate_up", read by one matmul: apart, XLA's GPU compiler writes the gate's
     split-K partial sums, streams the up weights (117 MB at 8B) through the L2, and only then reads
     them back (tree verification at 8B: 0.44 GB a round)."""
-    from .ops import Ops
     if holds_layer_lists(target.params["layers"]):
         return target
-    if type(target.ops).scan_layers is not Ops.scan_layers:
+    if not uses_core_layer_loop(target):
         raise ValueError(f"the {target.ops.name!r} backend reads stacked layer weights itself; "
                          f"per-layer buffers are for the XLA path (GPU)")
     stacked = target.params["layers"]
@@ -117,6 +116,13 @@ def per_layer(target):
         fused = LayerList([_concat_last(g, u) for g, u in pairs])
         layers = {**layers, "mlp": {"gate_up": {"kernel": fused}, "down": layers["mlp"]["down"]}}
     return dataclasses.replace(target, params={**target.params, "layers": layers})
+
+
+def uses_core_layer_loop(target) -> bool:
+    """Whether the target's ops run the core's layer loop (the XLA path), not a backend's own (the
+    CPU backend reads stacked weights in place)."""
+    from .ops import Ops
+    return type(target.ops).scan_layers is Ops.scan_layers
 
 
 def _whole_on_each_device(a) -> bool:

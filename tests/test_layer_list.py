@@ -100,12 +100,16 @@ def test_load_target_gives_per_layer_buffers_when_asked(monkeypatch, tmp_path):
     assert not isinstance(e2.load_target(src).params["layers"]["mlp"]["up"]["kernel"], LayerList)
 
 
-def test_the_cpu_backend_keeps_its_stacks():
+def test_the_cpu_backend_keeps_its_stacks(monkeypatch, tmp_path):
     t = e2.init_target(tiny_config(), 0)
     if type(t.ops).scan_layers is type(XLA).scan_layers:
         pytest.skip("no CPU backend here")
     with pytest.raises(ValueError, match="reads stacked layer weights itself"):
         per_layer(t)
+    from eagle2_jax.checkpoints import save_hf_dir
+    src = save_hf_dir(t, str(tmp_path / "t"))
+    monkeypatch.setenv(layer_list.SWITCH, "list")  # load_target leaves such a backend's stacks alone
+    assert not isinstance(e2.load_target(src).params["layers"]["mlp"]["up"]["kernel"], LayerList)
 
 
 def test_a_per_layer_target_saves_and_reloads(tmp_path):
