@@ -281,6 +281,14 @@ def test_eagle3_training_lowers_loss_resumes_and_exports_the_published_layout(ti
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=2e-2, rtol=2e-2)
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     assert generate(t, d, prompts, max_new_tokens=16).tokens == generate_vanilla(t, prompts, max_new_tokens=16).tokens
+    # continuing from the export: the loss must rank the head's own draft tokens (its d2t), in its own arch
+    cont = ["--arch", "eagle3", "--rollout", "3", "--init-from", str(root / "e3export")]
+    with pytest.raises(SystemExit, match="differ from draft_vocab"):
+        tdraft.main(_args(root, tdir, data, "e3bad", 1, cont + ["--draft-vocab", "30"]))
+    with pytest.raises(SystemExit, match="is an eagle3 head, not eagle2"):
+        tdraft.main(_args(root, tdir, data, "e3bad2", 1, ["--init-from", str(root / "e3export")]))
+    tdraft.main(_args(root, tdir, data, "e3cont", 1, cont + ["--draft-vocab", str(root / "e3" / "draft_vocab.json")]))
+    assert [r["step"] for r in _log(root, "e3cont") if "loss" in r] == [1]
 
 
 def test_eagle3_head_starts_from_the_targets_head():

@@ -266,6 +266,14 @@ def main(argv=None):
     if cfg["init_from"]:
         from eagle2_jax import load_draft
         draft = load_draft(cfg["init_from"], target, draft_vocab=False)  # the vocabulary comes from draft_vocab
+        if draft.arch != cfg["arch"]:
+            sys.exit(f"error: --init-from {cfg['init_from']} is an {draft.arch} head, not {cfg['arch']}")
+        if draft.arch == "eagle3":  # its LM head rows are fixed by its d2t: the loss must rank the same tokens
+            d2t = np.asarray(draft.params["d2t"])
+            own = d2t + np.arange(len(d2t))
+            if not np.array_equal(own, vocab):
+                sys.exit(f"error: --init-from {cfg['init_from']} ranks {len(own)} draft tokens that differ from "
+                         f"draft_vocab ({len(vocab)} tokens): pass the head's own vocabulary as --draft-vocab FILE")
     fixed = {k: v for k, v in draft.params.items() if k == "d2t"}  # not trained: EAGLE-3's vocabulary map
     draft.params = {k: v for k, v in draft.params.items() if k not in fixed}
     whole = lambda: dataclasses.replace(draft, params={**draft.params, **fixed})  # noqa: E731
