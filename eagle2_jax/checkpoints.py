@@ -414,7 +414,7 @@ def load_target(source: str, dtype="auto", mesh=None, tokenizer: bool = True,
     from . import defaults, layer_list
     target = _load_target(source, dtype, mesh, tokenizer, packed, abstract)
     if layer_list.wanted(defaults.platform()) and layer_list.uses_core_layer_loop(target):
-        target = layer_list.per_layer(target)  # (a backend with its own layer loop keeps its stacks)
+        target = layer_list.per_layer(target, release=True)  # (a backend with its own layer loop keeps its stacks)
     return target
 
 

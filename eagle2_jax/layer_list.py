@@ -97,24 +97,49 @@ def unrolled_scan(body, carry, xs):
     return carry, jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys)
 
 
-def per_layer(target):
+def per_layer(target, *, release: bool = False):
     """The target with its stacked layer weights as per-layer buffers (a no-op if they already are).
     Unless the MLP is split across devices (or has biases), each layer's gate and up weights become
     one [D, 2F] buffer, "gate_up", read by one matmul: apart, XLA's GPU compiler writes the gate's
     split-K partial sums, streams the up weights (117 MB at 8B) through the L2, and only then reads
-    them back (tree verification at 8B: 0.44 GB a round)."""
+    them back (tree verification at 8B: 0.44 GB a round).
+
+    `release` (for a caller that holds no other reference to the stacked weights, as load_target):
+    each stacked weight is freed as soon as it is split, so device memory peaks near the weights plus
+    the largest one (gate and up together: 7.5 GB at 8B), not twice the weights. `target` is then
+    unusable."""
     if holds_layer_lists(target.params["layers"]):
         return target
     if not uses_core_layer_loop(target):
         raise ValueError(f"the {target.ops.name!r} backend reads stacked layer weights itself; "
                          f"per-layer buffers are for the XLA path (GPU)")
-    stacked = target.params["layers"]
-    layers = unstack(stacked)
-    gate, up = stacked["mlp"]["gate"], stacked["mlp"]["up"]
+
+    def done(*stacks):  # the stacked weights just split: free them (after their slices are computed)
+        if release:
+            arrays = [a for a in stacks if isinstance(a, jax.Array)]
+            jax.block_until_ready(arrays)
+            for a in arrays:
+                a.delete()
+
+    stacked = dict(target.params["layers"])
+    mlp = dict(stacked.pop("mlp"))
+    gate, up = mlp["gate"], mlp["up"]
     if set(gate) == set(up) == {"kernel"} and _whole_on_each_device(gate["kernel"]):
-        pairs = zip(layers["mlp"]["gate"]["kernel"], layers["mlp"]["up"]["kernel"])
-        fused = LayerList([_concat_last(g, u) for g, u in pairs])
-        layers = {**layers, "mlp": {"gate_up": {"kernel": fused}, "down": layers["mlp"]["down"]}}
+        g, u = mlp.pop("gate")["kernel"], mlp.pop("up")["kernel"]
+        if isinstance(g, jax.ShapeDtypeStruct):
+            fused = LayerList([_concat_last(gi, ui) for gi, ui in zip(unstack(g).items, unstack(u).items)])
+        else:  # layer by layer: one layer's gate and up slices at a time besides the stacks
+            fused = LayerList([jnp.concatenate([g[i], u[i]], axis=-1) for i in range(g.shape[0])])
+        done(g, u)
+        mlp["gate_up"] = {"kernel": fused}
+
+    def split(a):
+        if is_layer_list(a):  # (gate_up, split above)
+            return a
+        out = unstack(a)
+        done(a)
+        return out
+    layers = jax.tree_util.tree_map(split, {**stacked, "mlp": mlp}, is_leaf=is_layer_list)
     return dataclasses.replace(target, params={**target.params, "layers": layers})
 
 
@@ -131,9 +156,7 @@ def _whole_on_each_device(a) -> bool:
 
 
 def _concat_last(a, b):
-    if isinstance(a, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(a.shape[:-1] + (a.shape[-1] + b.shape[-1],), a.dtype, sharding=a.sharding)
-    return jnp.concatenate([a, b], axis=-1)
+    return jax.ShapeDtypeStruct(a.shape[:-1] + (a.shape[-1] + b.shape[-1],), a.dtype, sharding=a.sharding)
 
 
 def wanted(platform: str) -> bool:

@@ -119,3 +119,17 @@ def test_a_per_layer_target_saves_and_reloads(tmp_path):
     back = e2.load_target(src, tokenizer=False)
     for a, b in zip(jax.tree_util.tree_leaves(back.params), jax.tree_util.tree_leaves(t.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_release_frees_each_stack_once_split():
+    """load_target's per_layer(release=True): the stacked weights are freed, the buffers are the same."""
+    t = _xla(e2.init_target(tiny_config(num_hidden_layers=3), 0), XLA_CPU)
+    kept = per_layer(t)  # from a copy of the stacks: the reference
+    copy = dataclasses.replace(t, params=jax.tree_util.tree_map(lambda a: a.copy(), t.params))
+    stacks = jax.tree_util.tree_leaves(copy.params["layers"])
+    freed = per_layer(copy, release=True)
+    assert all(a.is_deleted() for a in stacks) and not any(a.is_deleted() for a in jax.tree_util.tree_leaves(t.params))
+    for a, b in zip(jax.tree_util.tree_leaves(freed.params), jax.tree_util.tree_leaves(kept.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert e2.generate_vanilla(freed, PROMPTS, max_new_tokens=8).tokens == \
+        e2.generate_vanilla(t, PROMPTS, max_new_tokens=8).tokens
