@@ -287,8 +287,13 @@ def test_eagle3_training_lowers_loss_resumes_and_exports_the_published_layout(ti
         tdraft.main(_args(root, tdir, data, "e3bad", 1, cont + ["--draft-vocab", "30"]))
     with pytest.raises(SystemExit, match="is an eagle3 head, not eagle2"):
         tdraft.main(_args(root, tdir, data, "e3bad2", 1, ["--init-from", str(root / "e3export")]))
-    tdraft.main(_args(root, tdir, data, "e3cont", 1, cont + ["--draft-vocab", str(root / "e3" / "draft_vocab.json")]))
+    tdraft.main(_args(root, tdir, data, "e3file", 1, cont + ["--draft-vocab", str(root / "e3" / "draft_vocab.json")]))
+    assert [r["step"] for r in _log(root, "e3file") if "loss" in r] == [1]
+    # without --draft-vocab it keeps its own; a time limit ends the run early and still exports
+    tdraft.main(_args(root, tdir, data, "e3cont", 50, cont + ["--time-limit", "1e-6", "--export", str(root / "e3c")]))
     assert [r["step"] for r in _log(root, "e3cont") if "loss" in r] == [1]
+    c = load_draft(str(root / "e3c"), t)
+    np.testing.assert_array_equal(np.asarray(c.params["d2t"]), np.asarray(d.params["d2t"]))
 
 
 def test_eagle3_head_starts_from_the_targets_head():

@@ -27,7 +27,11 @@ of the draft vocabulary). `vocab_mask: true` (with a draft vocabulary) leaves ou
 positions whose target argmax over the full vocabulary is not a draft token, as the official
 EAGLE-3 training does (the log's in_vocab: the share kept).
 With `init_from` (a head to continue from), that head is evaluated on the held-out examples before
-the first step (step 0 in the log), the baseline the run's later evaluations compare against.
+the first step (step 0 in the log), the baseline the run's later evaluations compare against. An
+EAGLE-3 head keeps its own draft vocabulary (its d2t): without `draft_vocab` that is the one used,
+and a different one is refused.
+`time_limit` (minutes, 0: none) ends training after that much wall time (the feature cache not
+counted) and exports the head as it is then, as if `steps` had been reached; a rerun resumes.
 """
 from __future__ import annotations
 
@@ -48,7 +52,8 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
                 heldout_examples=32, seed=0, mesh=None, log_every=10, ckpt_every=50, eval_every=200,
                 eval_tau_prompts=4, eval_tau_tokens=64, tree=dict(depth=5, top_k=10, total_tokens=60),
                 init_from=None, feature_cache=True, draft_vocab=None, feature_batch=8, rollout=1,
-                rollout_decay=0.8, arch="eagle2", eagle3_head_init="target", vocab_mask=False)
+                rollout_decay=0.8, arch="eagle2", eagle3_head_init="target", vocab_mask=False,
+                time_limit=0.0)
 
 
 def load_config(argv=None) -> dict:
@@ -84,7 +89,7 @@ def load_config(argv=None) -> dict:
     for req in ("data", "out"):
         if not cfg[req]:
             sys.exit(f"error: --{req} is required (or set it in --config)")
-    if cfg["vocab_mask"] and not cfg["draft_vocab"]:
+    if cfg["vocab_mask"] and not cfg["draft_vocab"] and not cfg["init_from"]:  # (an EAGLE-3 head brings its own)
         sys.exit("error: --vocab-mask needs a draft vocabulary (--draft-vocab)")
     return cfg
 
@@ -254,26 +259,32 @@ def main(argv=None):
         sys.exit(f"error: eagle3_head_init must be target or random, got {cfg['eagle3_head_init']!r}")
     target = load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)
     os.makedirs(cfg["out"], exist_ok=True)
+    init = None
+    if cfg["init_from"]:
+        from eagle2_jax import load_draft
+        init = load_draft(cfg["init_from"], target, draft_vocab=False)  # the vocabulary comes from draft_vocab
+        if init.arch != cfg["arch"]:
+            sys.exit(f"error: --init-from {cfg['init_from']} is an {init.arch} head, not {cfg['arch']}")
     vocab = resolve_vocab(cfg["draft_vocab"], train, cfg["out"])
-    if cfg["arch"] == "eagle3":  # the head's LM head rows in ascending token order; d2t maps to them
+    if init is not None and init.arch == "eagle3":  # its LM head row i ranks token d2t[i] + i: the loss must too
+        own = np.asarray(init.params["d2t"]) + np.arange(len(init.params["d2t"]))
+        if vocab is not None and not np.array_equal(np.unique(vocab), np.unique(own)):
+            sys.exit(f"error: --init-from {cfg['init_from']} ranks {len(own)} draft tokens that differ from "
+                     f"draft_vocab ({len(vocab)} tokens): leave --draft-vocab out to keep the head's own")
+        vocab = own
+    elif cfg["arch"] == "eagle3":  # the head's LM head rows in ascending token order; d2t maps to them
         vocab = np.sort(vocab) if vocab is not None else np.arange(target.config.vocab_size)
+    if cfg["vocab_mask"] and vocab is None:
+        sys.exit("error: --vocab-mask needs a draft vocabulary (--draft-vocab)")
+    if init is not None:
+        draft = init
+    elif cfg["arch"] == "eagle3":
         draft = init_draft(target, cfg["seed"], arch="eagle3", draft_vocab_size=len(vocab))
         draft.params = {**draft.params, "d2t": jax.numpy.asarray(vocab - np.arange(len(vocab)), jax.numpy.int32)}
         if cfg["eagle3_head_init"] == "target":  # start from the target's own head over the draft vocabulary
             draft.params = {**draft.params, **eagle3_head_from_target(target, vocab, draft.params)}
     else:
         draft = init_draft(target, cfg["seed"])
-    if cfg["init_from"]:
-        from eagle2_jax import load_draft
-        draft = load_draft(cfg["init_from"], target, draft_vocab=False)  # the vocabulary comes from draft_vocab
-        if draft.arch != cfg["arch"]:
-            sys.exit(f"error: --init-from {cfg['init_from']} is an {draft.arch} head, not {cfg['arch']}")
-        if draft.arch == "eagle3":  # its LM head rows are fixed by its d2t: the loss must rank the same tokens
-            d2t = np.asarray(draft.params["d2t"])
-            own = d2t + np.arange(len(d2t))
-            if not np.array_equal(own, vocab):
-                sys.exit(f"error: --init-from {cfg['init_from']} ranks {len(own)} draft tokens that differ from "
-                         f"draft_vocab ({len(vocab)} tokens): pass the head's own vocabulary as --draft-vocab FILE")
     fixed = {k: v for k, v in draft.params.items() if k == "d2t"}  # not trained: EAGLE-3's vocabulary map
     draft.params = {k: v for k, v in draft.params.items() if k not in fixed}
     whole = lambda: dataclasses.replace(draft, params={**draft.params, **fixed})  # noqa: E731
@@ -334,8 +345,9 @@ def main(argv=None):
     if cfg["init_from"] and start == 0:
         evaluate(0)  # the head it starts from, on the same held-out examples: the baseline
 
-    stop = {"flag": False}
+    stop = {"flag": False, "timed_out": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(flag=True))
+    deadline = time.time() + 60 * float(cfg["time_limit"]) if cfg["time_limit"] else None
     step = start
     key = jax.random.PRNGKey(cfg["seed"])
     bar = tqdm(total=cfg["steps"], initial=start, unit="step", desc="train draft", dynamic_ncols=True)
@@ -360,7 +372,10 @@ def main(argv=None):
                 hist, tok_acc, t_last = [], 0.0, time.time()
             if step % cfg["ckpt_every"] == 0:
                 save(step)
-            if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
+            if deadline is not None and time.time() > deadline and step < cfg["steps"]:
+                stop.update(flag=True, timed_out=True)
+                tqdm.write(f"time limit of {cfg['time_limit']} min reached at step {step}: exporting the head as it is")
+            if step % cfg["eval_every"] == 0 or step == cfg["steps"] or stop["timed_out"]:
                 evaluate(step)
                 t_last = time.time()
     except KeyboardInterrupt:
@@ -369,7 +384,7 @@ def main(argv=None):
         if step > start:
             save(step)
         bar.close()
-    if step >= cfg["steps"]:
+    if step >= cfg["steps"] or stop["timed_out"]:
         save_draft(whole(), os.path.join(cfg["out"], "final_orbax"), format="orbax")
         if cfg["export"]:
             save_draft(whole(), cfg["export"], format="eagle3" if draft.arch == "eagle3" else "eagle", dtype="bfloat16")
