@@ -257,16 +257,35 @@ def _hbm_bytes(shape_text: str) -> int:
     return total
 
 
-def _counted_trips(comps, cond: str) -> int:
-    """Trips of a while loop whose condition is `i < N` for a constant N (a scan or fori loop from 0
-    by 1, as JAX writes them; XLA's TPU compiler leaves no known_trip_count on them); else 1."""
+def _constant(body, name):
+    ins = next((i for i in body if i["name"] == name and i["op"] == "constant"), None)
+    m = re.search(r"constant\((-?\d+)\)", ins["line"]) if ins else None
+    return int(m.group(1)) if m else None
+
+
+def _counted_trips(comps, caller: list, loop: dict) -> int:
+    """Trips of a while loop (`loop`, an instruction of `caller`) whose condition is `i < N` (or
+    `N > i`) for a constant N, i a loop-state element that starts at a constant (a scan or fori loop
+    stepping by 1, as JAX writes them; XLA's TPU compiler leaves no known_trip_count on them): N
+    minus the start (0 if the start is not a visible constant). Otherwise 1, with a warning."""
+    import warnings
+    cond = re.search(r"condition=%?([\w.\-]+)", loop["line"]).group(1)
     body = comps.get(cond, [])
-    consts = {i["name"]: re.search(r"constant\((-?\d+)\)", i["line"]) for i in body if i["op"] == "constant"}
     root = body[-1] if body else None
-    if root is None or root["op"] != "compare" or "direction=LT" not in root["line"] or len(root["args"]) != 2:
-        return 1
-    bound = consts.get(root["args"][1])
-    return int(bound.group(1)) if bound else 1
+    if root is not None and root["op"] == "compare" and len(root["args"]) == 2:
+        counter, bound = root["args"]
+        if "direction=GT" in root["line"]:
+            counter, bound = bound, counter
+        n = _constant(body, bound) if re.search(r"direction=(LT|GT)", root["line"]) else None
+        if n is not None:
+            gte = next((i for i in body if i["name"] == counter and i["op"] == "get-tuple-element"), None)
+            k = re.search(r"index=(\d+)", gte["line"]) if gte else None
+            init = next((i for i in caller if loop["args"] and i["name"] == loop["args"][0]), None)
+            start = _constant(caller, init["args"][int(k.group(1))]) if (
+                k and init is not None and init["op"] == "tuple" and int(k.group(1)) < len(init["args"])) else None
+            return max(n - (start or 0), 0)
+    warnings.warn(f"while loop {loop['name']}: no known trip count and no `i < N` condition; counted once")
+    return 1
 
 
 _LIBRARY_CALL = re.compile(r'custom_call_target="__(cublas|cudnn)')
@@ -283,7 +302,7 @@ class _L2:
         self.half, self.pos, self.src, self.written, self.pending = l2_bytes // 2, 0.0, {}, {}, {}
         self.kept = set()  # what reaches the computation's root: outputs and loop state, always in HBM
         todo = [body[-1]["name"]] if body else []
-        by_name = {i["name"]: i for i in body}
+        self.by_name = by_name = {i["name"]: i for i in body}
         while todo:
             n = todo.pop()
             if n in self.kept or n not in by_name:
@@ -307,9 +326,25 @@ class _L2:
             i for i in body if i["name"] in body[-1]["args"]] if body else []
         return any(r["op"] in _IN_PLACE for r in roots)
 
-    def kernel(self, ins, operands, res):
-        """(operands as charged, late writes to charge, result as charged) for one kernel."""
-        streamed = sum(operands) + res  # what it moves counted all-in-HBM: how far the L2 turns over
+    def nested(self, ins, moved) -> float:
+        """A while loop, conditional, call or asynchronous copy over `ins`'s operands: they enter it
+        in HBM (the writes still pending are charged, returned), and the `moved` bytes it streams
+        turn the L2 over."""
+        late, todo, seen = 0.0, list(ins["args"]), set()
+        while todo:
+            a = todo.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            late += self.pending.pop(self.src.get(a, a), 0)
+            if self.by_name.get(a, {}).get("op") == "tuple":
+                todo += self.by_name[a]["args"]
+        self.pos += moved
+        return late
+
+    def kernel(self, ins, operands, res, streamed):
+        """(operands as charged, late writes to charge, result as charged) for one kernel that moves
+        `streamed` bytes counted all in HBM (how far the L2 turns over)."""
         operands, late = list(operands), 0.0
         for j, a in enumerate(ins["args"]):
             a = self.src.get(a, a)
@@ -334,16 +369,18 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
     copies and slices that bring it there are charged as HBM reads). Inside a fusion, a parameter
     only sliced is charged the slices, one gathered the rows gathered; an in-place update
     (dynamic-update-slice or scatter into a parameter) is charged the update, not the buffer. While
-    bodies count their known trip count (`known_trip_count`; once if unknown), a conditional its
+    bodies count their trip count (`known_trip_count`, else an `i < N` condition: _counted_trips;
+    once, with a warning, if neither), a conditional its
     largest branch, kernels included (so kernels are those executed, not those in the text;
     asynchronous copies, DMAs that overlap the kernels, are not kernels). `loop`: one trip of the
     costliest while loop of the entry computation instead (a decode loop's step or round, without
     what runs once around it). `l2_bytes` (a GPU's L2 cache): a kernel's result of at most half of it
     that is read again before another half of the L2 has streamed through (by the all-in-HBM count
-    of the kernels in between) is read from L2 (split-K partial sums, a layer's attention scores at
-    a short context); its write is charged only if some read comes later than that (to the reading
-    kernel), else it is taken to stay in L2 until its buffer is reused. Program inputs, loop state,
-    in-place updates (caches) and outputs are always charged. Returns {"bytes", "kernels"}, and with
+    of what the kernels, loops and copies in between move) is read from L2 (split-K partial sums, a
+    layer's attention scores at a short context); its write is charged only if some read comes later than that (to the reading
+    kernel), else it is taken to stay in L2 until its buffer is reused. Program inputs, loop state
+    (what enters or leaves a loop, conditional or call), in-place updates (caches) and outputs are
+    always charged. Returns {"bytes", "kernels"}, and with
     `top` > 0 "top": the `top` costliest instructions as (bytes, name, source op_name)."""
     comps = _computations(hlo_text)
     costs = []
@@ -404,6 +441,7 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
     def walk(comp):
         hbm, full, start_src, nbytes, kernels = {}, {}, {}, 0.0, 0
         body = comps.get(comp, [])
+        by_name = {i["name"]: i for i in body}
         l2 = _L2(body, comps, l2_bytes) if l2_bytes else None
         for ins in body:
             name, op, line, args = ins["name"], ins["op"], ins["line"], ins["args"]
@@ -419,15 +457,20 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
                 continue
             if op.endswith("-done"):
                 moved = _bytes(ins["shape"])
-                nbytes += charge(ins, min(start_src.get(args[0], moved), moved) + res)
+                moved = min(start_src.get(args[0], moved), moved) + res
+                nbytes += charge(ins, moved)
+                if l2 is not None:  # (its source was read in HBM)
+                    nbytes += l2.nested(by_name.get(args[0], ins) if args else ins, moved)
                 continue  # (an asynchronous copy: a DMA beside the kernels, not one of them)
             if op in _FREE:
                 continue
             if op == "while":
                 n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 b, k = walk(re.search(r"body=%?([\w.\-]+)", line).group(1))
-                n = int(n.group(1)) if n else _counted_trips(comps, re.search(r"condition=%?([\w.\-]+)", line).group(1))
+                n = int(n.group(1)) if n else _counted_trips(comps, body, ins)
                 nbytes, kernels = nbytes + b * n, kernels + k * n
+                if l2 is not None:  # its state enters in HBM; what it streams turns the L2 over
+                    nbytes += l2.nested(ins, b * n)
                 continue
             if op == "conditional":
                 names = re.search(r"branch_computations=\{([^}]*)\}", line)
@@ -435,25 +478,31 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
                     re.search(key + r"=%?([\w.\-]+)", line).group(1) for key in ("true_computation", "false_computation")]
                 branch = [walk(c) for c in names]
                 nbytes, kernels = nbytes + max(c[0] for c in branch), kernels + max(c[1] for c in branch)
+                if l2 is not None:
+                    nbytes += l2.nested(ins, max(c[0] for c in branch))
                 continue
             if op == "call":
                 b, k = walk(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
                 nbytes, kernels = nbytes + b, kernels + k
+                if l2 is not None:
+                    nbytes += l2.nested(ins, b)
                 continue
             kernels += 1
+
+            def moves(operands, res):
+                if op == "fusion":
+                    return fusion_bytes(re.search(r"calls=%?([\w.\-]+)", line).group(1), operands, res)
+                if op in ("slice", "dynamic-slice"):
+                    return min(operands[0], full[name]) + res
+                if op == "dynamic-update-slice":
+                    return operands[1] + min(res, full.get(args[1], 0))
+                return sum(operands) + res
             operands = [hbm.get(a, 0) for a in args]
             late = 0.0  # writes of earlier results read too late to find them in L2, charged here
-            if l2 is not None:
-                operands, late, res = l2.kernel(ins, operands, res)
-            if op == "fusion":
-                moved = fusion_bytes(re.search(r"calls=%?([\w.\-]+)", line).group(1), operands, res)
-            elif op in ("slice", "dynamic-slice"):
-                moved = min(operands[0], full[name]) + res
-            elif op == "dynamic-update-slice":
-                moved = operands[1] + min(res, full.get(args[1], 0))
-            else:
-                moved = sum(operands) + res
-            nbytes += charge(ins, moved + late)
+            if l2 is not None:  # (the L2 turns over by what the kernel moves counted all in HBM)
+                streamed = moves(operands, res)
+                operands, late, res = l2.kernel(ins, operands, res, streamed)
+            nbytes += charge(ins, moves(operands, res) + late)
         return nbytes, kernels
     if loop:
         bodies = [re.search(r"body=%?([\w.\-]+)", i["line"]).group(1) for i in comps.get("ENTRY", [])

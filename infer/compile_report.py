@@ -5,9 +5,11 @@ layer count, with abstract params (no weights are allocated, any machine can run
 
 Programs: plain prefill, plain decode (the whole `lax.while_loop`), EAGLE-2 prefill (target prefill
 + draft catch-up over the prompt), EAGLE-2 decode (the whole loop of rounds). `hlo_ops` counts the
-instructions of the optimised HLO module XLA compiled for this machine's backend (`--platform`
-lowers only, for another one); `lowered_ops` those of the program as lowered, before XLA's passes.
-Layers run under `lax.scan`, so neither should grow with depth.
+instructions of the optimised HLO module XLA compiled for this machine's backend; `lowered_ops`
+those of the program as lowered, before XLA's passes.
+Layers run under `lax.scan` over stacked weights, so neither should grow with depth; except where
+the programs run with per-layer weight buffers (GPU by default: eagle2_jax.layer_list, which this
+report follows, as load_target does; EAGLE2_JAX_LAYERS=scan|list overrides), one copy per layer.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def report(model: str, dtype: str, layers, batch: int, prompt_len: int, max_new:
            compile_: bool = True, progress=print):
     import numpy as np
     import eagle2_jax as e2
-    from eagle2_jax import eagle, vanilla
+    from eagle2_jax import defaults, eagle, layer_list, vanilla
     from eagle2_jax.checkpoints import random_config
     from eagle2_jax.config import SamplingConfig
     base = random_config(model if model.startswith("random:") else "random:" + model)
@@ -55,6 +57,8 @@ def report(model: str, dtype: str, layers, batch: int, prompt_len: int, max_new:
     for L in layers:
         config = dataclasses.replace(base, num_hidden_layers=L)
         target = e2.init_target(config, dtype=dtype, abstract=True)
+        if layer_list.wanted(defaults.platform()) and layer_list.uses_core_layer_loop(target):
+            target = layer_list.per_layer(target)  # as load_target gives it on this platform
         draft = e2.init_draft(target)
         prompts = [rng.integers(3, config.vocab_size, prompt_len).tolist() for _ in range(batch)]
         b, args, static = vanilla._program_inputs(target, prompts, max_new, None, 0, sampling)

@@ -285,3 +285,135 @@ ENTRY %main (c: f32[1024,256], i: s32[8,1], u: f32[8,256]) -> f32[1024,256] {
 """
     rows = 8 * 256 * 4
     assert hbm_traffic(text) == {"bytes": 8 * 4 + rows + rows, "kernels": 1}  # not the 1 MiB buffer
+
+
+def _loop_module(init: int, cond_root: str) -> str:
+    """A while loop with no known_trip_count: state (i, x), body x -> exp(x), i -> i + 1."""
+    return f"""HloModule m, is_scheduled=true
+
+%body (t: (s32[], f32[8,256])) -> (s32[], f32[8,256]) {{
+  %t = (s32[], f32[8,256]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = f32[8,256]{{1,0}} get-tuple-element(%t), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %e = f32[8,256]{{1,0}} exponential(%x)
+  ROOT %r = (s32[], f32[8,256]{{1,0}}) tuple(%j, %e)
+}}
+
+%cond (t: (s32[], f32[8,256])) -> pred[] {{
+  %t = (s32[], f32[8,256]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(5)
+  {cond_root}
+}}
+
+ENTRY %main (b: f32[8,256]) -> f32[8,256] {{
+  %b = f32[8,256]{{1,0}} parameter(0)
+  %z = s32[] constant({init})
+  %t0 = (s32[], f32[8,256]{{1,0}}) tuple(%z, %b)
+  %w = (s32[], f32[8,256]{{1,0}}) while(%t0), condition=%cond, body=%body
+  ROOT %h = f32[8,256]{{1,0}} get-tuple-element(%w), index=1
+}}
+"""
+
+
+def test_hbm_traffic_counts_a_loops_trips_from_its_condition():
+    """No known_trip_count (XLA's TPU compiler leaves none): `i < N` or `N > i` from a constant start."""
+    import warnings
+    from infer.analytic import hbm_traffic
+    lt = "ROOT %c = pred[] compare(%i, %n), direction=LT"
+    gt = "ROOT %c = pred[] compare(%n, %i), direction=GT"
+    assert hbm_traffic(_loop_module(0, lt))["kernels"] == 2 * 5  # the add and the exponential, 5 trips
+    assert hbm_traffic(_loop_module(0, gt))["kernels"] == 2 * 5
+    assert hbm_traffic(_loop_module(2, lt))["kernels"] == 2 * 3  # a loop peeled by two starts at 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = hbm_traffic(_loop_module(0, "ROOT %c = pred[] compare(%i, %i), direction=NE"))
+    assert r["kernels"] == 2 and any("counted once" in str(w.message) for w in caught)
+
+
+def _l2_module(between: str, params: str, root_extra: str = "") -> str:
+    """Partial sums (f32[8,64,4096], 8 MiB) written, `between`, then summed (a GPU's L2 tests)."""
+    return f"""HloModule m, is_scheduled=true
+
+%split (p0: bf16[64,4096], p1: bf16[4096,4096]) -> f32[8,64,4096] {{
+  %p0 = bf16[64,4096]{{1,0}} parameter(0)
+  %p1 = bf16[4096,4096]{{1,0}} parameter(1)
+  ROOT %d = f32[8,64,4096]{{2,1,0}} custom-call(%p0, %p1), custom_call_target="partials"
+}}
+
+%sum (q0: f32[8,64,4096]) -> bf16[64,4096] {{
+  %q0 = f32[8,64,4096]{{2,1,0}} parameter(0)
+  ROOT %r = bf16[64,4096]{{1,0}} custom-call(%q0), custom_call_target="reduce"
+}}
+
+%one_layer (s0: bf16[64,4096,4096], s1: s32[]) -> bf16[4096,4096] {{
+  %s0 = bf16[64,4096,4096]{{2,1,0}} parameter(0)
+  %s1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,4096,4096]{{2,1,0}} dynamic-slice(%s0, %s1, %z, %z), dynamic_slice_sizes={{1,4096,4096}}
+  ROOT %l = bf16[4096,4096]{{1,0}} bitcast(%ds)
+}}
+
+%stream_body (t: (s32[], bf16[4096,8192])) -> (s32[], bf16[4096,8192]) {{
+  %t = (s32[], bf16[4096,8192]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %u = bf16[4096,8192]{{1,0}} get-tuple-element(%t), index=1
+  %v = bf16[4096,8192]{{1,0}} negate(%u)
+  ROOT %r = (s32[], bf16[4096,8192]{{1,0}}) tuple(%i, %v)
+}}
+
+%stream_cond (t: (s32[], bf16[4096,8192])) -> pred[] {{
+  %t = (s32[], bf16[4096,8192]{{1,0}}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}}
+
+ENTRY %main (x: bf16[64,4096], w: bf16[4096,4096]{params}) -> bf16[64,4096] {{
+  %x = bf16[64,4096]{{1,0}} parameter(0)
+  %w = bf16[4096,4096]{{1,0}} parameter(1)
+  %f = f32[8,64,4096]{{2,1,0}} fusion(%x, %w), kind=kCustom, calls=%split
+  {between}
+  ROOT %g = bf16[64,4096]{{1,0}} fusion(%f), kind=kInput, calls=%sum{root_extra}
+}}
+"""
+
+
+def test_the_l2_turns_over_by_what_kernels_and_loops_move():
+    """A kernel that slices one layer (32 MiB) out of a 2 GiB stack turns the L2 over by the slice
+    (read and written: 64 MiB); a loop that streams 128 MiB in between evicts the partial sums
+    (their write and read charged)."""
+    import warnings
+    from infer.analytic import hbm_traffic
+    L2 = 200 * 2**20  # results of up to 100 MiB may stay, until 100 MiB more have streamed
+    x, w, partial, layer = 64 * 4096 * 2, 4096 * 4096 * 2, 8 * 64 * 4096 * 4, 4096 * 4096 * 2
+    sliced = _l2_module("%s = bf16[4096,4096]{1,0} fusion(%st, %k), kind=kLoop, calls=%one_layer",
+                        ", st: bf16[64,4096,4096], k: s32[]")
+    sliced = sliced.replace("  %f = ", "  %st = bf16[64,4096,4096]{2,1,0} parameter(2)\n"
+                                       "  %k = s32[] parameter(3)\n  %f = ")
+    # the partial sums (and the unread slice) stay in L2
+    assert hbm_traffic(sliced, l2_bytes=L2)["bytes"] == (x + w) + (layer + 4) + x
+    u = 4096 * 8192 * 2
+    looped = _l2_module("%z = s32[] constant(0)\n  %t0 = (s32[], bf16[4096,8192]{1,0}) tuple(%z, %u)\n"
+                        "  %lp = (s32[], bf16[4096,8192]{1,0}) while(%t0), condition=%stream_cond, body=%stream_body,"
+                        ' backend_config={"known_trip_count":{"n":"1"}}', ", u: bf16[4096,8192]")
+    looped = looped.replace("  %f = ", "  %u = bf16[4096,8192]{1,0} parameter(2)\n  %f = ")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a known trip count: no warning)
+        got = hbm_traffic(looped, l2_bytes=L2)["bytes"]
+    assert got == (x + w) + (u + u) + (partial + partial + x)  # evicted by the loop: written and read back
+    # the partial sums as the loop's state: they enter it in HBM, so their write is charged
+    state = _l2_module("%z = s32[] constant(0)\n  %t0 = (s32[], f32[8,64,4096]{2,1,0}) tuple(%z, %f)\n"
+                       "  %lp = (s32[], f32[8,64,4096]{2,1,0}) while(%t0), condition=%c2, body=%b2,"
+                       ' backend_config={"known_trip_count":{"n":"0"}}', "")
+    state = state.replace("ENTRY", """%b2 (t: (s32[], f32[8,64,4096])) -> (s32[], f32[8,64,4096]) {
+  ROOT %t = (s32[], f32[8,64,4096]{2,1,0}) parameter(0)
+}
+
+%c2 (t: (s32[], f32[8,64,4096])) -> pred[] {
+  %t = (s32[], f32[8,64,4096]{2,1,0}) parameter(0)
+  ROOT %c = pred[] constant(false)
+}
+
+ENTRY""")
+    assert hbm_traffic(state, l2_bytes=L2)["bytes"] == (x + w) + partial + x  # written once; read from L2 after
