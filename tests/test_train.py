@@ -283,14 +283,17 @@ def test_eagle3_training_lowers_loss_resumes_and_exports_the_published_layout(ti
     assert generate(t, d, prompts, max_new_tokens=16).tokens == generate_vanilla(t, prompts, max_new_tokens=16).tokens
     # continuing from the export: the loss must rank the head's own draft tokens (its d2t), in its own arch
     cont = ["--arch", "eagle3", "--rollout", "3", "--init-from", str(root / "e3export")]
-    with pytest.raises(SystemExit, match="differ from draft_vocab"):
-        tdraft.main(_args(root, tdir, data, "e3bad", 1, cont + ["--draft-vocab", "30"]))
+    other = root / "other_vocab.json"
+    other.write_text(json.dumps({"ids": list(range(30))}))
+    with pytest.raises(SystemExit, match="draft tokens that differ from"):
+        tdraft.main(_args(root, tdir, data, "e3bad", 1, cont + ["--draft-vocab", str(other)]))
     with pytest.raises(SystemExit, match="is an eagle3 head, not eagle2"):
         tdraft.main(_args(root, tdir, data, "e3bad2", 1, ["--init-from", str(root / "e3export")]))
     tdraft.main(_args(root, tdir, data, "e3file", 1, cont + ["--draft-vocab", str(root / "e3" / "draft_vocab.json")]))
     assert [r["step"] for r in _log(root, "e3file") if "loss" in r] == [1]
-    # without --draft-vocab it keeps its own; a time limit ends the run early and still exports
-    tdraft.main(_args(root, tdir, data, "e3cont", 50, cont + ["--time-limit", "1e-6", "--export", str(root / "e3c")]))
+    # a --draft-vocab count (as configs set) leaves it its own; a time limit ends the run early and still exports
+    tdraft.main(_args(root, tdir, data, "e3cont", 50, cont + ["--draft-vocab", "30", "--time-limit", "1e-6",
+                                                              "--export", str(root / "e3c")]))
     assert [r["step"] for r in _log(root, "e3cont") if "loss" in r] == [1]
     c = load_draft(str(root / "e3c"), t)
     np.testing.assert_array_equal(np.asarray(c.params["d2t"]), np.asarray(d.params["d2t"]))

@@ -28,8 +28,8 @@ positions whose target argmax over the full vocabulary is not a draft token, as 
 EAGLE-3 training does (the log's in_vocab: the share kept).
 With `init_from` (a head to continue from), that head is evaluated on the held-out examples before
 the first step (step 0 in the log), the baseline the run's later evaluations compare against. An
-EAGLE-3 head keeps its own draft vocabulary (its d2t): without `draft_vocab` that is the one used,
-and a different one is refused.
+EAGLE-3 head keeps its own draft vocabulary (its d2t): a `draft_vocab` count is ignored for it, and a
+draft_vocab.json with other tokens is refused.
 `time_limit` (minutes, 0: none) ends training after that much wall time (the feature cache not
 counted) and exports the head as it is then, as if `steps` had been reached; a rerun resumes.
 """
@@ -220,6 +220,20 @@ def resolve_vocab(spec, train, out_dir):
         return np.asarray(json.load(f)["ids"], np.int64)
 
 
+def eagle3_own_vocab(init, cfg, train):
+    """The draft vocabulary of an EAGLE-3 head to continue from: its LM head's row i ranks token
+    i + d2t[i], and the loss must rank the same tokens in that order. A `draft_vocab` count (which
+    would build another vocabulary from the data) is ignored; a draft_vocab.json must hold its tokens."""
+    own = np.asarray(init.params["d2t"]) + np.arange(len(init.params["d2t"]))
+    spec = cfg["draft_vocab"]
+    if spec and not isinstance(spec, int) and not str(spec).isdigit():
+        given = resolve_vocab(spec, train, cfg["out"])
+        if not np.array_equal(np.unique(given), np.unique(own)):
+            sys.exit(f"error: --init-from {cfg['init_from']} ranks {len(own)} draft tokens that differ from "
+                     f"{spec} ({len(given)} tokens): leave --draft-vocab out to keep the head's own")
+    return own
+
+
 def eval_tau(target, draft, examples, cfg, vocab=None):
     from eagle2_jax import TreeConfig, generate
     if vocab is not None and draft.arch != "eagle3":  # an EAGLE-3 head carries its vocabulary (d2t)
@@ -265,15 +279,12 @@ def main(argv=None):
         init = load_draft(cfg["init_from"], target, draft_vocab=False)  # the vocabulary comes from draft_vocab
         if init.arch != cfg["arch"]:
             sys.exit(f"error: --init-from {cfg['init_from']} is an {init.arch} head, not {cfg['arch']}")
-    vocab = resolve_vocab(cfg["draft_vocab"], train, cfg["out"])
-    if init is not None and init.arch == "eagle3":  # its LM head row i ranks token d2t[i] + i: the loss must too
-        own = np.asarray(init.params["d2t"]) + np.arange(len(init.params["d2t"]))
-        if vocab is not None and not np.array_equal(np.unique(vocab), np.unique(own)):
-            sys.exit(f"error: --init-from {cfg['init_from']} ranks {len(own)} draft tokens that differ from "
-                     f"draft_vocab ({len(vocab)} tokens): leave --draft-vocab out to keep the head's own")
-        vocab = own
-    elif cfg["arch"] == "eagle3":  # the head's LM head rows in ascending token order; d2t maps to them
-        vocab = np.sort(vocab) if vocab is not None else np.arange(target.config.vocab_size)
+    if init is not None and init.arch == "eagle3":
+        vocab = eagle3_own_vocab(init, cfg, train)
+    else:
+        vocab = resolve_vocab(cfg["draft_vocab"], train, cfg["out"])
+        if cfg["arch"] == "eagle3":  # the head's LM head rows in ascending token order; d2t maps to them
+            vocab = np.sort(vocab) if vocab is not None else np.arange(target.config.vocab_size)
     if cfg["vocab_mask"] and vocab is None:
         sys.exit("error: --vocab-mask needs a draft vocabulary (--draft-vocab)")
     if init is not None:
