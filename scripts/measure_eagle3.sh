@@ -24,18 +24,18 @@ for h in e3 e2; do
   run $V/tau_mt_bench_t1_$h python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit $N --methods eagle \
       --draft $D $REF --temperature 1.0 --seed 0 --out $B/tau_mt_bench_t1_$h
 done
+for q in humaneval gsm8k; do
+  for h in e3 e2; do
+    D=$E3; [ $h = e2 ] && D=$E2
+    run $V/tau_${q}_t0_$h python -m infer.bench --questions $EVAL/$q.jsonl --limit ${Q:-16} --methods eagle --draft $D \
+        $REF --out $B/tau_${q}_t0_$h
+  done
+done
 # CPU speed, batch 1, each head's CPU tree (its tree.json), interleaved: e2, e3, e2, e3
 for i in 1 2; do
   for h in e2 e3; do
     D=$E3; [ $h = e2 ] && D=$E2
     run $V/speed_${h}_$i python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 20 --methods plain,eagle \
         --draft $D --max-new-tokens 256 --out $B/speed_${h}_$i
-  done
-done
-for q in humaneval gsm8k; do
-  for h in e3 e2; do
-    D=$E3; [ $h = e2 ] && D=$E2
-    run $V/tau_${q}_t0_$h python -m infer.bench --questions $EVAL/$q.jsonl --limit ${Q:-16} --methods eagle --draft $D \
-        $REF --out $B/tau_${q}_t0_$h
   done
 done
