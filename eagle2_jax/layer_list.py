@@ -114,12 +114,12 @@ def per_layer(target, *, release: bool = False):
         raise ValueError(f"the {target.ops.name!r} backend reads stacked layer weights itself; "
                          f"per-layer buffers are for the XLA path (GPU)")
 
-    def done(*stacks):  # the stacked weights just split: free them (after their slices are computed)
+    def done(stacks, parts):  # the stacked weights just split: free them once their slices are computed
         if release:
-            arrays = [a for a in stacks if isinstance(a, jax.Array)]
-            jax.block_until_ready(arrays)
-            for a in arrays:
-                a.delete()
+            jax.block_until_ready(parts.items)
+            for a in stacks:
+                if isinstance(a, jax.Array):
+                    a.delete()
 
     stacked = dict(target.params["layers"])
     mlp = dict(stacked.pop("mlp"))
@@ -130,14 +130,14 @@ def per_layer(target, *, release: bool = False):
             fused = LayerList([_concat_last(gi, ui) for gi, ui in zip(unstack(g).items, unstack(u).items)])
         else:  # layer by layer: one layer's gate and up slices at a time besides the stacks
             fused = LayerList([jnp.concatenate([g[i], u[i]], axis=-1) for i in range(g.shape[0])])
-        done(g, u)
+        done((g, u), fused)
         mlp["gate_up"] = {"kernel": fused}
 
     def split(a):
         if is_layer_list(a):  # (gate_up, split above)
             return a
         out = unstack(a)
-        done(a)
+        done((a,), out)
         return out
     layers = jax.tree_util.tree_map(split, {**stacked, "mlp": mlp}, is_leaf=is_layer_list)
     return dataclasses.replace(target, params={**target.params, "layers": layers})
