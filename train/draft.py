@@ -276,7 +276,7 @@ def main(argv=None):
     init = None
     if cfg["init_from"]:
         from eagle2_jax import load_draft
-        init = load_draft(cfg["init_from"], target, draft_vocab=False)  # the vocabulary comes from draft_vocab
+        init = load_draft(cfg["init_from"], target, draft_vocab=False)  # (an EAGLE-2 head's subset: draft_vocab)
         if init.arch != cfg["arch"]:
             sys.exit(f"error: --init-from {cfg['init_from']} is an {init.arch} head, not {cfg['arch']}")
     if init is not None and init.arch == "eagle3":
