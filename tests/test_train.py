@@ -144,8 +144,65 @@ def test_batcher_is_deterministic():
     assert [a.indices(s) for s in range(6)] == [b.indices(s) for s in range(6)]
     seen = sum((a.indices(s) for s in range(5)), [])
     assert sorted(seen[:5]) == list(range(5))  # an epoch covers every sequence once
-    ids, mask = a.batch(0)
+    ids, mask, seg, pos = a.batch(0)
     assert ids.shape == (4, 10) and mask.all()
+    assert (seg == [1] * 5 + [2] * 5).all() and (pos == list(range(5)) * 2).all()
+
+
+def test_batcher_packs_whole_examples_and_cuts_long_ones_into_pieces_at_their_positions():
+    lengths = [3, 12, 7, 5, 2, 9]
+    ex = [(np.arange(n) + 100 * i, np.arange(n) % 2) for i, n in enumerate(lengths)]
+    bt = tdraft.Batcher(ex, 2, 8, 0, example_len=11)  # example 1 cropped to 11 = pieces of 8 and 3
+    tokens = {}
+    for step in range(len(bt) // 2 + 1):
+        ids, mask, seg, pos = bt.batch(step)
+        for r in range(2):
+            for s in set(seg[r]) - {0}:
+                at = seg[r] == s
+                assert np.all(np.diff(np.flatnonzero(at)) == 1)  # a piece is contiguous
+                i = int(ids[r][at][0]) // 100
+                np.testing.assert_array_equal(ids[r][at], ex[i][0][pos[r][at]])  # its example's tokens at their positions
+                np.testing.assert_array_equal(mask[r][at], ex[i][1][pos[r][at]])
+                tokens.setdefault(i, set()).update(pos[r][at].tolist())
+            assert (ids[r][seg[r] == 0] == 0).all()
+    assert {i: len(p) for i, p in tokens.items()} == {i: min(n, 11) for i, n in enumerate(lengths)}
+    assert len(bt) == 5  # 36 tokens (best fit of pieces 8, 8, 7, 5, 3, 3, 2 into sequences of 8)
+    held = tdraft.Batcher(ex, 6, 8, 0, pack=False)
+    ids, mask, seg, pos = held.batch(0)
+    rows = [held.seqs[k][0][0] for k in held.indices(0)]  # one example per row, cropped to 8
+    assert sorted(rows) == list(range(6)) and (seg.max(1) == 1).all()
+    assert seg.sum(1).tolist() == [min(lengths[i], 8) for i in rows]
+
+
+def test_packed_loss_equals_the_examples_apart():
+    """Target features and the draft loss (rollout 2) of a packed sequence of two examples equal
+    each example's own, computed alone: no attention across examples, each at its own positions."""
+    import jax.numpy as jnp
+
+    from eagle2_jax import init_draft
+    from train.loss import draft_loss, target_features
+    t = init_target(tiny_config(), 0)
+    d = init_draft(t, 1)
+    rng = np.random.default_rng(4)
+    ex = [(rng.integers(0, 64, n).astype(np.int32), (np.arange(n) > 2).astype(np.int32)) for n in (9, 7)]
+    bt = tdraft.Batcher(ex, 1, 16, 0)
+    assert len(bt) == 1
+    ids, mask, seg, pos = (jnp.asarray(x) for x in bt.batch(0))
+    packed = target_features(t.module, t.params, ids, (), seg, pos)
+    args = (d.module, t.module, t.params)
+    common = (None, 0.0, 1.0, 0.1, None, 2)
+    _, m = draft_loss(d.params, *args, ids, mask, packed, *common, seg_BT=seg, pos_BT=pos)
+    parts = []
+    for s in (1, 2):
+        at = np.asarray(seg[0]) == s
+        e_ids, e_mask = ids[:, at], mask[:, at]
+        alone = target_features(t.module, t.params, e_ids)
+        np.testing.assert_allclose(np.asarray(packed[:, at]), np.asarray(alone), atol=2e-5)
+        parts.append(draft_loss(d.params, *args, e_ids, e_mask, alone, *common)[1])
+    n = [float(p["tokens"]) for p in parts]
+    assert float(m["tokens"]) == sum(n) > 0
+    for k in ("vloss", "ploss", "acc"):
+        np.testing.assert_allclose(float(m[k]), sum(float(p[k]) * w for p, w in zip(parts, n)) / sum(n), rtol=2e-5)
 
 
 def test_frequent_tokens():
@@ -156,42 +213,48 @@ def test_frequent_tokens():
 
 def test_feature_cache_matches_on_the_fly_features(tiny_run):
     root, tdir, data = tiny_run
-    tdraft.main(_args(root, tdir, data, "live", 4, ["--feature-cache", "false"]))
-    tdraft.main(_args(root, tdir, data, "cached", 4))
-    assert (root / "cached" / "features" / "features.npy").exists()
+    whole = ["--seq-len", "40"]  # every example in one piece: the live features see all of it too
+    tdraft.main(_args(root, tdir, data, "live", 4, ["--feature-cache", "false", *whole]))
+    tdraft.main(_args(root, tdir, data, "cached", 4, whole))
+    assert list((root / "cached" / "features").glob("*/chunk_*.npy"))
     assert not (root / "live" / "features").exists()
     live = [r["loss"] for r in _log(root, "live") if "loss" in r]
     cached = [r["loss"] for r in _log(root, "cached") if "loss" in r]
     np.testing.assert_allclose(live, cached, rtol=2e-3)  # float16 storage of the features
 
 
-def test_feature_cache_resumes_and_detects_changed_data(tmp_path):
+def test_feature_cache_resumes_and_computes_only_new_examples(tmp_path):
     from train.features import FeatureCache, fingerprint
-    seqs = [(np.full(6, i, np.int32), np.ones(6)) for i in range(5)]
+    examples = [np.full(n, i, np.int32) for i, n in enumerate([6, 3, 130, 6, 5])] + [np.full(6, 0, np.int32)]
     calls = []
 
     def compute(ids):
-        calls.append(ids[:, 0].tolist())
-        return np.repeat(ids[:, :, None].astype(np.float32), 3, axis=2)
+        calls.append((ids.shape, sorted(set(ids[:, 0].tolist()))))
+        return np.repeat(ids[:, :, None].astype(np.float32), 3, axis=2) + np.arange(ids.shape[1])[None, :, None]
 
     def killed(ids):
         if calls:
             raise KeyboardInterrupt  # killed during the second batch
         return compute(ids)
 
-    key = fingerprint(seqs, "t", "float32")
-    c = FeatureCache(str(tmp_path), 5, 6, 3, key)
+    key = fingerprint("t", "float32")
+    c = FeatureCache(str(tmp_path), 3, key)
     with pytest.raises(KeyboardInterrupt):
-        c.fill(seqs, killed, 2, progress=False)
-    c = FeatureCache(str(tmp_path), 5, 6, 3, key)
-    assert c.done == 2
+        c.fill(examples, killed, 256, progress=False)
+    assert calls == [((2, 128), [1, 4])]  # shortest first, 256 tokens a batch: two rows of 128
+    c = FeatureCache(str(tmp_path), 3, key)
+    assert len(c.missing(examples)) == 3  # 0, 3 and 2: the duplicate of example 0 shares its entry
     calls.clear()
-    c.fill(seqs, compute, 2, progress=False)
-    assert calls == [[2, 3], [4, 0]]  # resumed at row 2; the last batch is padded
-    np.testing.assert_array_equal(c.rows([4, 1])[:, 0, 0], [4, 1])
-    other = [(s + 1, m) for s, m in seqs]
-    c2 = FeatureCache(str(tmp_path), 5, 6, 3, fingerprint(other, "t", "float32"))
-    assert c2.done == 0  # different tokens: rebuilt, never reused
+    c.fill(examples, compute, 256, progress=False)
+    assert calls == [((2, 128), [0, 3]), ((1, 256), [2])]  # resumed with the examples left
+    for e in examples:
+        np.testing.assert_array_equal(c.example(e)[:, 0], e + np.arange(len(e)))
+    more = examples + [np.full(4, 7, np.int32)]
+    calls.clear()
+    assert FeatureCache(str(tmp_path), 3, key).fill(more, compute, 256, progress=False) == 4
+    assert calls == [((2, 128), [0, 7])]  # only the new example (and a row of padding)
+    other = FeatureCache(str(tmp_path), 3, fingerprint("t", "bfloat16"))
+    assert len(other.missing(examples)) == 5  # another target dtype: its own entries
 
 
 def test_draft_vocab_training_exports_the_vocabulary(tiny_run):

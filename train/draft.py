@@ -5,9 +5,12 @@
 Every YAML key can be overridden by the flag of the same name (dashes or underscores); `data`
 takes one shard directory or several (comma-separated; held-out examples come from the first).
 
-Target features: with `feature_cache: true` (the default) a jitted batched forward computes them
-once for every packed sequence into `<out>/features` (float16, resumable, rebuilt when the data
-changes), and steps read them from there; with `false` each step runs the target forward itself.
+Batches pack whole examples (pieces of seq_len tokens for longer ones, up to `example_len`) into
+sequences without attention across examples, at each example's own positions (see Batcher).
+Target features: with `feature_cache: true` (the default) jitted batched forwards compute them once
+per example, alone as at inference, into `<out>/features` (float16, resumable; a data set that adds
+examples computes only those, see train.features), and steps read them from there; with `false`
+each step runs the target forward itself over the packed batch.
 `draft_vocab` (a token count, or a draft_vocab.json path) restricts the cross-entropy to the tokens
 the draft will rank at inference (a V/V' cheaper LM head in every step); the list is written next
 to the exported head so `load_draft` applies it. Orbax checkpoints every `ckpt_every` steps and at exit (Ctrl-C / SIGTERM
@@ -53,7 +56,7 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
                 eval_tau_prompts=4, eval_tau_tokens=64, tree=dict(depth=5, top_k=10, total_tokens=60),
                 init_from=None, feature_cache=True, draft_vocab=None, feature_batch=8, rollout=1,
                 rollout_decay=0.8, arch="eagle2", eagle3_head_init="target", vocab_mask=False,
-                time_limit=0.0)
+                time_limit=0.0, example_len=2048)
 
 
 def load_config(argv=None) -> dict:
@@ -103,27 +106,38 @@ def _bool(s: str) -> bool:
 
 
 class Batcher:
-    """Deterministic batches of packed sequences.
+    """Deterministic batches of packed sequences that never attend across examples.
 
-    Examples are concatenated (in a seeded order) and cut into sequences of seq_len tokens, so no
-    step is spent on padding; loss masks travel with the tokens. Step s takes sequences
-    [s*B, (s+1)*B) of the concatenation of per-epoch permutations, so a resumed run sees exactly
-    the batches it would have seen.
+    Examples (cropped to `example_len` tokens) are cut into pieces of at most seq_len tokens and
+    the pieces, in a seeded order, are packed best-fit into sequences of seq_len, so few steps are
+    spent on padding. Each sequence carries a segment id per token (1, 2, ... per piece, 0 on
+    padding) and each token its position in its example: attention stays within a piece and RoPE
+    sees the positions the example has at inference. Step s takes sequences [s*B, (s+1)*B) of the
+    concatenation of per-epoch permutations, so a resumed run sees exactly the batches it would
+    have seen. `pack=False` (held-out evaluation): one example per sequence, cropped to seq_len.
     """
 
-    def __init__(self, examples, batch_size, seq_len, seed, pack: bool = True):
+    def __init__(self, examples, batch_size, seq_len, seed, pack: bool = True, example_len: int = 2048):
         self.B, self.T, self.seed = batch_size, seq_len, seed
+        self.examples = [(np.asarray(t)[:example_len], np.asarray(m)[:example_len]) for t, m in examples]
         order = np.random.default_rng(seed).permutation(len(examples))
-        if pack:
-            ids = np.concatenate([examples[i][0] for i in order]).astype(np.int32)
-            mask = np.concatenate([examples[i][1] for i in order]).astype(np.int32)
-            n = max(1, len(ids) // seq_len)
-            pad = n * seq_len - len(ids)
-            if pad > 0:
-                ids, mask = np.pad(ids, (0, pad)), np.pad(mask, (0, pad))
-            self.seqs = [(ids[k * seq_len:(k + 1) * seq_len], mask[k * seq_len:(k + 1) * seq_len]) for k in range(n)]
+        if not pack:
+            self.seqs = [[(int(i), 0, min(len(self.examples[i][0]), seq_len))] for i in order]
         else:
-            self.seqs = [examples[i] for i in order]
+            pieces = [(int(i), s, min(s + seq_len, len(self.examples[i][0])))
+                      for i in order for s in range(0, len(self.examples[i][0]), seq_len)]
+            self.seqs = []
+            by_room = [[] for _ in range(seq_len + 1)]  # sequences by their free tokens
+            for p in pieces:
+                n = p[2] - p[1]
+                room = next((r for r in range(n, seq_len + 1) if by_room[r]), None)
+                if room is None:
+                    self.seqs.append([])
+                    k, room = len(self.seqs) - 1, seq_len
+                else:
+                    k = by_room[room].pop()
+                self.seqs[k].append(p)
+                by_room[room - n].append(k)
         self._perms = {}
 
     def __len__(self):
@@ -139,13 +153,26 @@ class Batcher:
         return [int(self._perm(g // n)[g % n]) for g in range(step * self.B, (step + 1) * self.B)]
 
     def batch(self, step):
-        ids = np.zeros((self.B, self.T), np.int32)
-        mask = np.zeros((self.B, self.T), np.int32)
-        for r, i in enumerate(self.indices(step)):
-            t, m = self.seqs[i]
-            t, m = t[:self.T], m[:self.T]
-            ids[r, :len(t)], mask[r, :len(m)] = t, m
-        return ids, mask
+        """(ids, loss mask, segment ids, positions), each [B, T] int32."""
+        ids, mask, seg, pos = (np.zeros((self.B, self.T), np.int32) for _ in range(4))
+        for r, k in enumerate(self.indices(step)):
+            at = 0
+            for j, (i, s, e) in enumerate(self.seqs[k]):
+                t, m = self.examples[i]
+                ids[r, at:at + e - s], mask[r, at:at + e - s] = t[s:e], m[s:e]
+                seg[r, at:at + e - s], pos[r, at:at + e - s] = j + 1, np.arange(s, e)
+                at += e - s
+        return ids, mask, seg, pos
+
+    def features(self, step, cache) -> np.ndarray:
+        """The step's target features [B, T, F] from a train.features.FeatureCache (zeros on padding)."""
+        out = np.zeros((self.B, self.T, cache.width), np.float16)
+        for r, k in enumerate(self.indices(step)):
+            at = 0
+            for i, s, e in self.seqs[k]:
+                out[r, at:at + e - s] = cache.example(self.examples[i][0])[s:e]
+                at += e - s
+        return out
 
 
 def make_optimizer(cfg):
@@ -170,8 +197,10 @@ def eagle3_head_from_target(target, vocab, params) -> dict:
 
 
 def build_step(tmodule, dmodule, opt, cfg, fixed=None):
-    """Jitted (train step, eval). The train step takes features [B, T, D] (from the cache) or
-    None (computed inside by the target), and the draft-vocabulary ids or None. `fixed`: params
+    """Jitted (train step, eval). Both take a Batcher batch (ids, mask, segment ids, positions); the
+    train step also features [B, T, F] (from the cache) or None (computed inside by the target over
+    the packed batch: a piece of an example past its first sees none of the example's earlier
+    tokens, where the cache computed the whole example), and the draft-vocabulary ids or None. `fixed`: params
     that are not trained (an EAGLE-3 head's integer d2t map), joined to the trained ones in the loss."""
     import jax
     import optax
@@ -182,23 +211,23 @@ def build_step(tmodule, dmodule, opt, cfg, fixed=None):
     fixed = fixed or {}
     loss_fn = lambda dparams, *a: draft_loss({**dparams, **fixed}, *a)  # noqa: E731
 
-    def step(dparams, opt_state, tparams, ids, mask, feats, vocab_ids, key):
+    def step(dparams, opt_state, tparams, ids, mask, seg, pos, feats, vocab_ids, key):
         if feats is None:
-            feats = target_features(tmodule, tparams, ids, aux)
+            feats = target_features(tmodule, tparams, ids, aux, seg, pos)
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, key, cfg["noise"],
                                       cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"],
-                                      vocab_ids if cfg["vocab_mask"] else None)
+                                      vocab_ids if cfg["vocab_mask"] else None, seg, pos)
         updates, opt_state = opt.update(grads, opt_state, dparams)
         return optax.apply_updates(dparams, updates), opt_state, metrics
 
-    def evaluate(dparams, tparams, ids, mask, vocab_ids):
-        feats = target_features(tmodule, tparams, ids, aux)
+    def evaluate(dparams, tparams, ids, mask, seg, pos, vocab_ids):
+        feats = target_features(tmodule, tparams, ids, aux, seg, pos)
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
         _, metrics = loss_fn(dparams, dmodule, tmodule, tparams, ids, mask, feats, None, 0.0,
-                                cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"],
-                                vocab_ids if cfg["vocab_mask"] else None)
+                             cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"],
+                             vocab_ids if cfg["vocab_mask"] else None, seg, pos)
         return metrics
 
     return jax.jit(step, donate_argnums=(0, 1)), jax.jit(evaluate)
@@ -302,7 +331,7 @@ def main(argv=None):
     opt, sched = make_optimizer(cfg)
     opt_state = opt.init(draft.params)
     step_fn, eval_fn = build_step(target.module, draft.module, opt, cfg, fixed)
-    batcher = Batcher(train, cfg["batch_size"], cfg["seq_len"], cfg["seed"])
+    batcher = Batcher(train, cfg["batch_size"], cfg["seq_len"], cfg["seed"], example_len=cfg["example_len"])
     held = Batcher(heldout, min(cfg["batch_size"], len(heldout)), cfg["seq_len"], cfg["seed"], pack=False)
     print(f"{len(batcher)} packed sequences of {cfg['seq_len']} tokens per epoch")
 
@@ -314,16 +343,15 @@ def main(argv=None):
         from train.features import FeatureCache, fingerprint
         from train.loss import target_features
         aux = tuple(draft.aux_layers)
-        key_ = fingerprint(batcher.seqs, str(cfg["target"]) + (f"|aux{aux}" if aux else ""), cfg["dtype"])
-        fcache = FeatureCache(os.path.join(cfg["out"], "features"), len(batcher), cfg["seq_len"],
-                              target.config.hidden_size * (len(aux) + 1), key_)
+        fcache = FeatureCache(os.path.join(cfg["out"], "features"),
+                              target.config.hidden_size * (len(aux) + 1),
+                              fingerprint(str(cfg["target"]), cfg["dtype"], aux))
         feat_fn = jax.jit(lambda p, ids: target_features(target.module, p, ids, aux))
         t0 = time.time()
-        done0 = fcache.done
-        fcache.fill(batcher.seqs, lambda ids: feat_fn(target.params, ids), cfg["feature_batch"])
-        if fcache.done > done0:
-            dt = time.time() - t0
-            print(f"target features: {(fcache.done - done0) * cfg['seq_len'] / dt:.0f} tokens/s, {dt:.0f} s")
+        n = fcache.fill([t for t, _ in batcher.examples], lambda ids: feat_fn(target.params, ids),
+                        cfg["feature_batch"] * cfg["seq_len"])
+        if n:
+            print(f"target features: {n / (time.time() - t0):.0f} tokens/s, {time.time() - t0:.0f} s")
     ckpt_dir = os.path.abspath(os.path.join(cfg["out"], "checkpoints"))
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
     start = 0
@@ -365,9 +393,9 @@ def main(argv=None):
     t_last, tok_acc, hist = time.time(), 0.0, []
     try:
         while step < cfg["steps"] and not stop["flag"]:
-            ids, mask = batcher.batch(step)
-            feats = None if fcache is None else fcache.rows(batcher.indices(step))
-            draft.params, opt_state, m = step_fn(draft.params, opt_state, target.params, ids, mask, feats,
+            ids, mask, seg, pos = batcher.batch(step)
+            feats = None if fcache is None else batcher.features(step, fcache)
+            draft.params, opt_state, m = step_fn(draft.params, opt_state, target.params, ids, mask, seg, pos, feats,
                                                  vocab_dev, jax.random.fold_in(key, step))
             step += 1
             hist.append(m)

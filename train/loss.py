@@ -17,14 +17,22 @@ from eagle2_jax.layers import causal_mask
 from eagle2_jax.model import target_apply, target_embed, target_logits
 
 
-def target_features(tmodule, tparams, ids_BT, aux_layers: tuple = ()):
+def segment_mask(seg_BT) -> jax.Array:
+    """[B, T, T]: causal, and within one segment (a piece of one example in a packed sequence)."""
+    B, T = seg_BT.shape
+    return causal_mask(B, T) & (seg_BT[:, :, None] == seg_BT[:, None, :])
+
+
+def target_features(tmodule, tparams, ids_BT, aux_layers: tuple = (), seg_BT=None, pos_BT=None):
     """The target's final-norm features [B, T, D]; with `aux_layers` (an EAGLE-3 head's) the hidden
-    states entering those layers first: [B, T, A*D + D]."""
+    states entering those layers first: [B, T, A*D + D]. `seg_BT` / `pos_BT` (a packed batch): attend
+    within a segment only, at those positions; default one sequence from position 0."""
     B, T = ids_BT.shape
     c = tmodule.config
     cache = init_cache(c.num_hidden_layers, B, T, c.num_key_value_heads, c.head_dim, tmodule.dtype)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    out = target_apply(tmodule, tparams, ids_BT, pos, cache, causal_mask(B, T), fresh=True, aux_layers=aux_layers)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if pos_BT is None else pos_BT
+    mask = causal_mask(B, T) if seg_BT is None else segment_mask(seg_BT)
+    out = target_apply(tmodule, tparams, ids_BT, pos, cache, mask, fresh=True, aux_layers=aux_layers)
     f = jnp.concatenate([out[2], out[0]], axis=-1) if aux_layers else out[0]
     return jax.lax.stop_gradient(f)
 
@@ -43,7 +51,7 @@ def vocab_head(tmodule, tparams, ids_V):
 
 def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, noise_key, noise: float,
                v_weight: float, p_weight: float, head_DV=None, rollout: int = 1, rollout_decay: float = 0.8,
-               mask_ids_V=None):
+               mask_ids_V=None, seg_BT=None, pos_BT=None):
     """Returns (loss, metrics). Gradients flow into dparams only.
 
     With `head_DV` (a `vocab_head` over the draft's vocabulary) the cross-entropy and accuracy
@@ -62,6 +70,10 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     token under the target's full vocabulary (its argmax) is not among them are left out of the loss
     and the accuracy, instead of counting against the target renormalised over the draft tokens.
     Metric `in_vocab`: the share of step 0's positions kept.
+
+    `seg_BT` / `pos_BT` (a packed batch, see train.draft.Batcher): the head attends within a
+    segment only, at those positions, and position j counts at step k only when t_{j+k+1} is in
+    j's segment. Default: one sequence from position 0.
     """
     B, T = ids_BT.shape
     R = int(rollout)
@@ -96,10 +108,12 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
         net = {k: v for k, v in dparams.items() if k != "vocab_head"}
         own_logits = lambda h: dmodule.apply({"params": net}, h, method=Eagle3Draft.logits)  # noqa: E731
     loss, metrics = 0.0, {}
-    for k, pred in enumerate(draft_rollout(dparams, dmodule, embed, ids_BT, f_in, R)):
+    if seg_BT is None:
+        seg_BT = jnp.ones((B, T), jnp.int32)
+    for k, pred in enumerate(draft_rollout(dparams, dmodule, embed, ids_BT, f_in, R, seg_BT, pos_BT)):
         n_valid = T - 1 - k  # anchors j with j+k+1 < T
         p = pred[:, :n_valid]
-        w = mask_BT[:, k + 1:].astype(jnp.float32)
+        w = (mask_BT[:, k + 1:] * (seg_BT[:, k + 1:] == seg_BT[:, :n_valid])).astype(jnp.float32)
         if keep is not None:
             w = w * keep[:, k:]
         n = jnp.maximum(w.sum(), 1.0)
@@ -123,23 +137,26 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     return loss, metrics
 
 
-def draft_rollout(dparams, dmodule, embed, ids_BT, feats_BTD, steps: int):
+def draft_rollout(dparams, dmodule, embed, ids_BT, feats_BTD, steps: int, seg_BT=None, pos_BT=None):
     """The head's predictions over `steps` rollout steps: a list of [B, T, D].
 
     Step k at anchor j reads (embed(t_{j+k+1}), x) at position j+k, x = feats[j] for k = 0 and
     step k-1's output at j otherwise, and attends to the step-0 keys of anchors <= j and to steps
     1..k at anchor j: what the draft computes at depth k+1 of a tree branch grown after accepting
-    t_{j+1} (tokens past the end read id 0 and are never scored).
+    t_{j+1} (tokens past the end read id 0 and are never scored). With `seg_BT` / `pos_BT` (a packed
+    batch) the step-0 keys are those of anchors <= j in j's segment, at j's position in its example.
     """
     B, T = ids_BT.shape
     c = dmodule.config
     cache = init_cache(1, B, steps * T, c.num_key_value_heads, c.head_dim, dmodule.dtype)
     eye = jnp.broadcast_to(jnp.eye(T, dtype=bool), (B, T, T))
+    prefix = causal_mask(B, T) if seg_BT is None else segment_mask(seg_BT)
+    pos0 = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if pos_BT is None else pos_BT
     preds, x = [], feats_BTD
     for k in range(steps):
         ids = jnp.concatenate([ids_BT[:, k + 1:], jnp.zeros((B, k + 1), ids_BT.dtype)], axis=1)
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + k, (B, T))
-        local = jnp.concatenate([causal_mask(B, T)] + [eye] * k, axis=2)  # [B, T, (k+1) T]
+        pos = pos0 + k
+        local = jnp.concatenate([prefix] + [eye] * k, axis=2)  # [B, T, (k+1) T]
         x, cache = draft_apply(dmodule, dparams, embed(ids), x, pos, cache, local, offset=k * T)
         preds.append(x)
     return preds
