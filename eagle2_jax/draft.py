@@ -47,6 +47,9 @@ class EagleDraft(nn.Module):
         x = dense(self.ops, self.fc, x)
         k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
         h, (k, v) = decoder_layer(self.ops, self.config, self.layer, x, positions_BT, k_read[0], v_read[0], masks)
+        # written once the attention has read the cache: left unordered, XLA's GPU compiler copies
+        # both caches to update them in place (2 copies a draft pass)
+        h, k, v = jax.lax.optimization_barrier((h, k, v))
         return h, write(cache, k[None], v[None], cache.length + offset)
 
 

@@ -28,6 +28,7 @@ from .config import ModelConfig
 from .layers import attention, dense, init_dense, init_layer, mlp, rms_norm
 from .model import cache_view, module_param
 from .ops import XLA, Ops
+from .sampling import top_log_probs
 
 
 def default_aux_layers(num_target_layers: int) -> tuple:
@@ -82,6 +83,9 @@ class Eagle3Draft(nn.Module):
         k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
         h, (k, v) = eagle3_layer(self.ops, self.config, self.layer, embeds_BTD.astype(self.dtype), h, positions_BT,
                                  k_read[0], v_read[0], masks)
+        # written once the attention has read the cache: left unordered, XLA's GPU compiler copies
+        # both caches to update them in place (2 copies a draft pass)
+        h, k, v = jax.lax.optimization_barrier((h, k, v))
         return h, write(cache, k[None], v[None], cache.length + offset)
 
     def logits(self, h):
@@ -91,5 +95,5 @@ class Eagle3Draft(nn.Module):
 
     def topk(self, h, k: int):
         """The k best next target tokens and their log-probs (over the draft vocabulary)."""
-        score, idx = jax.lax.top_k(jax.nn.log_softmax(self.logits(h).astype(jnp.float32), axis=-1), k)
+        score, idx = top_log_probs(self.logits(h), k)
         return score, (idx + jnp.take(self.d2t, idx)).astype(jnp.int32)

@@ -129,3 +129,15 @@ def row_keys(seed_key, batch: int):
 
 def step_keys(keys_B, step):
     return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_B)
+
+
+def top_log_probs(logits, k: int):
+    """The k largest log-probs of softmax(logits) over the last axis and their indices, float32:
+    log_softmax's values ((x - max) - log sum exp(x - max), the same ops) for the k entries only,
+    ranked on the logits themselves. A log_softmax over the whole axis before the top-k costs a
+    GPU several passes over the vocabulary; this costs one (the sum) beside the top-k."""
+    x = logits.astype(jnp.float32)
+    top, idx = jax.lax.top_k(x, k)
+    m = top[..., :1]  # the maximum
+    lse = jnp.log(jnp.sum(jnp.exp(x - jax.lax.stop_gradient(m)), axis=-1, keepdims=True))
+    return (top - m) - lse, idx

@@ -15,6 +15,7 @@ from .cache import KVCache
 from .config import TreeConfig
 from .draft import EagleDraft, draft_apply, draft_own_topk
 from .model import Llama, target_embed, target_logits
+from .sampling import top_log_probs
 
 
 @struct.dataclass
@@ -30,10 +31,6 @@ class Tree:
     parents_BN: jax.Array  # node index of the parent within the tree, -1 for the root
     ancestors_BNN: jax.Array  # bool: node i sees node j (j is i or an ancestor of i)
     depths_BN: jax.Array  # 0 for the root
-
-
-def _log_softmax_f32(logits):
-    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
 def _take_rows(x_BK, idx_BJ):
@@ -54,9 +51,9 @@ def draft_topk(tmodule: Llama, tparams, dmodule, dparams, h, k: int):
         return draft_own_topk(dmodule, dparams, h, k)
     vh = dparams.get("vocab_head") if isinstance(dparams, dict) else None
     if vh is None:
-        score, tok = jax.lax.top_k(_log_softmax_f32(target_logits(tmodule, tparams, h)), k)
+        score, tok = top_log_probs(target_logits(tmodule, tparams, h), k)
         return score, tok.astype(jnp.int32)
-    score, idx = jax.lax.top_k(_log_softmax_f32(tmodule.ops.vocab_logits(h, vh)), k)
+    score, idx = top_log_probs(tmodule.ops.vocab_logits(h, vh), k)
     return score, jnp.take(vh["ids"], idx).astype(jnp.int32)
 
 

@@ -140,3 +140,16 @@ def test_skipped_draft_passes_leave_the_tree_unchanged():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         deepest = max(deepest, int(ref.depths_BN.max()))
     assert deepest >= 4  # some row keeps a chain as deep as N allows: the check is not vacuous
+
+
+def test_top_log_probs_equals_top_k_of_log_softmax():
+    """The draft's ranking (top-k on the logits, log-probs of those k alone) gives log_softmax's values
+    and order, float32 and bfloat16 logits, jitted, batched."""
+    from eagle2_jax.sampling import top_log_probs
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 1000)) * 6
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xi = x.astype(dtype)
+        ref = jax.jit(lambda v: jax.lax.top_k(jax.nn.log_softmax(v.astype(jnp.float32), axis=-1), 8))(xi)
+        got = jax.jit(lambda v: top_log_probs(v, 8))(xi)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=0, atol=1e-6)
