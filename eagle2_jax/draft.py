@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .cache import KVCache, init_cache, write
+from .cache import KVCache, init_cache
 from .config import ModelConfig
 from .layers import causal_mask, decoder_layer, dense, init_dense, init_layer
-from .model import Target, cache_view, module_param, resolve_dtype
+from .model import Target, module_param, one_layer_forward, resolve_dtype
 from .ops import XLA, Ops
 
 
@@ -45,12 +45,8 @@ class EagleDraft(nn.Module):
         written at length+offset; masks and `fresh` as in `Llama.__call__`)."""
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = dense(self.ops, self.fc, x)
-        k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
-        h, (k, v) = decoder_layer(self.ops, self.config, self.layer, x, positions_BT, k_read[0], v_read[0], masks)
-        # written once the attention has read the cache: left unordered, XLA's GPU compiler copies
-        # both caches to update them in place (2 copies a draft pass)
-        h, k, v = jax.lax.optimization_barrier((h, k, v))
-        return h, write(cache, k[None], v[None], cache.length + offset)
+        return one_layer_forward(self.ops, cache, local_mask_BTU, offset, fresh,
+                                 lambda attend: decoder_layer(self.ops, self.config, self.layer, x, positions_BT, attend))
 
 
 @dataclasses.dataclass

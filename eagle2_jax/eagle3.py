@@ -23,10 +23,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .cache import KVCache, write
+from .cache import KVCache
 from .config import ModelConfig
 from .layers import attention, dense, init_dense, init_layer, mlp, rms_norm
-from .model import cache_view, module_param
+from .model import module_param, one_layer_forward
 from .ops import XLA, Ops
 from .sampling import top_log_probs
 
@@ -37,12 +37,12 @@ def default_aux_layers(num_target_layers: int) -> tuple:
     return (min(2, L - 1), L // 2, max(L - 3, 0))
 
 
-def eagle3_layer(ops: Ops, c: ModelConfig, p, embeds_BTD, h_BTD, positions_BT, k_BKSD, v_BKSD, masks):
-    """Returns (h [B,T,D], new (k, v) [B,K,T,Dh])."""
+def eagle3_layer(ops: Ops, c: ModelConfig, p, embeds_BTD, h_BTD, positions_BT, attend):
+    """Returns (h [B,T,D], the state `attend` returns; see layers.attention)."""
     eps = c.rms_norm_eps
     x = jnp.concatenate([rms_norm(ops, p["input_norm"], embeds_BTD, eps), rms_norm(ops, p["hidden_norm"], h_BTD, eps)],
                         axis=-1)
-    a, kv = attention(ops, c, p["attn"], x, positions_BT, k_BKSD, v_BKSD, masks)
+    a, kv = attention(ops, c, p["attn"], x, positions_BT, attend)
     h = h_BTD + a
     return h + mlp(ops, p["mlp"], rms_norm(ops, p["post_norm"], h, eps)), kv
 
@@ -80,13 +80,9 @@ class Eagle3Draft(nn.Module):
         h = features_BTF.astype(self.dtype)
         if h.shape[-1] != self.config.hidden_size:
             h = dense(self.ops, self.fc, h)
-        k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
-        h, (k, v) = eagle3_layer(self.ops, self.config, self.layer, embeds_BTD.astype(self.dtype), h, positions_BT,
-                                 k_read[0], v_read[0], masks)
-        # written once the attention has read the cache: left unordered, XLA's GPU compiler copies
-        # both caches to update them in place (2 copies a draft pass)
-        h, k, v = jax.lax.optimization_barrier((h, k, v))
-        return h, write(cache, k[None], v[None], cache.length + offset)
+        e = embeds_BTD.astype(self.dtype)
+        return one_layer_forward(self.ops, cache, local_mask_BTU, offset, fresh,
+                                 lambda attend: eagle3_layer(self.ops, self.config, self.layer, e, h, positions_BT, attend))
 
     def logits(self, h):
         """float32 logits [..., Vd] over the draft vocabulary (index i is target token i + d2t[i])."""

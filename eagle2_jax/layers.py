@@ -6,11 +6,16 @@ heads, G = H // K, Dh head dim, D hidden, F MLP width, L layers. One layer's key
 the cache as [B, K, S, Dh]; the stacked cache is [L, B, K, S, Dh].
 
 Every product goes through `ops` (eagle2_jax.ops): the layer code is the same on every backend.
-A layer attends over the cache as it was before the call (committed prefix plus scratch slots
-written by earlier calls, under an explicit mask [B, T, S]) and over its own new keys/values (mask
-[B, T, T]) in one softmax, and returns the new keys/values; the caller writes all layers' new
-entries into the stacked cache in one scatter after the layer scan, so the cache is only read
-inside the loop and updated in place once.
+A layer computes its queries and new keys/values and hands them to an `attend` function, which
+owns the cache access. Two are defined here:
+  `attend_within`: the new keys/values are written into the layer's cache slots first, then the
+    queries attend over that layer's cache alone, in one block (mask [B, T, S]). The accelerator
+    path (`Ops.cache_first`): one set of score, softmax and value kernels a layer, and the cache
+    write is ordered before the read by data dependence, so it happens in place.
+  `attend_beside`: the cache as it was before the call (mask [B, T, S]) and the new keys/values
+    (mask [B, T, T]) as two blocks in one softmax; the caller writes all layers' new entries after
+    the layer loop in one scatter. Backends whose attention kernel takes the two blocks (the CPU's
+    C++ kernel, the Pallas kernel) and prefill into an empty cache (no cache block at all) use it.
 
 Param dict of one layer (the target stacks these on a leading L axis):
   input_norm/scale [D] (not in the draft layer); post_norm/scale [D];
@@ -85,16 +90,37 @@ def dense(ops: Ops, p, x, n_in: int = 1):
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
 
 
-def attention(ops: Ops, c: ModelConfig, p, x_BTD, positions_BT, k_BKSD, v_BKSD, masks):
-    """masks: (cache [B,T,S], new [B,T,T]) from `split_masks`. Returns (out [B,T,D], (k, v) [B,K,T,Dh]
-    of the new tokens, in the cache's dtype)."""
+def attention(ops: Ops, c: ModelConfig, p, x_BTD, positions_BT, attend):
+    """Self-attention through `attend(q [B,T,H,Dh], k, v [B,K,T,Dh]) -> (out [B,T,H,Dh], state)`
+    (`attend_within` / `attend_beside`). Returns (out [B,T,D], state)."""
     inv_freq = rope_inv_freq(c)
     q = apply_rope(dense(ops, p["q"], x_BTD), positions_BT, inv_freq)
     k = apply_rope(dense(ops, p["k"], x_BTD), positions_BT, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
     v = dense(ops, p["v"], x_BTD).transpose(0, 2, 1, 3)
-    kc, vc = k.astype(k_BKSD.dtype), v.astype(v_BKSD.dtype)  # as a cache read would give
-    out = ops.attend(q, k_BKSD, v_BKSD, masks[0], kc, vc, masks[1]).astype(x_BTD.dtype)
-    return dense(ops, p["o"], out, n_in=2), (kc, vc)
+    out, state = attend(q, k, v)
+    return dense(ops, p["o"], out.astype(x_BTD.dtype), n_in=2), state
+
+
+def attend_beside(ops: Ops, k_BKSD, v_BKSD, masks):
+    """`attend` over the cache as it was (masks[0] [B,T,S]; the new tokens' own slots hidden, see
+    `split_masks`) and the new keys/values as a second block (masks[1] [B,T,T]). State: the new
+    (k, v) [B,K,T,Dh] in the cache's dtype, for the caller to write."""
+    def attend(q_BTHD, k_BKTD, v_BKTD):
+        kc, vc = k_BKTD.astype(k_BKSD.dtype), v_BKTD.astype(v_BKSD.dtype)  # as a cache read would give
+        return ops.attend(q_BTHD, k_BKSD, v_BKSD, masks[0], kc, vc, masks[1]), (kc, vc)
+    return attend
+
+
+def attend_within(ops: Ops, k_LBKSD, v_LBKSD, layer, start_B, mask_BTS):
+    """`attend` that writes the new keys/values of layer `layer` (an int or traced index) into slots
+    start[b] .. start[b]+T-1 of the stacked cache, then attends over that layer's cache alone under
+    mask [B,T,S] (`cache_mask`, the new tokens' own slots included). State: the updated stacked
+    (k, v) [L,B,K,S,Dh]."""
+    def attend(q_BTHD, k_BKTD, v_BKTD):
+        k_all = write_layer_rows(k_LBKSD, layer, k_BKTD, start_B)
+        v_all = write_layer_rows(v_LBKSD, layer, v_BKTD, start_B)
+        return ops.attend(q_BTHD, k_all[layer], v_all[layer], mask_BTS), (k_all, v_all)
+    return attend
 
 
 def mlp(ops: Ops, p, x):
@@ -105,14 +131,14 @@ def mlp(ops: Ops, p, x):
     return dense(ops, p["down"], nn.silu(gate) * up)
 
 
-def decoder_layer(ops: Ops, c: ModelConfig, p, x_BTD, positions_BT, k_BKSD, v_BKSD, masks):
+def decoder_layer(ops: Ops, c: ModelConfig, p, x_BTD, positions_BT, attend):
     """Pre-norm Llama layer; without p["input_norm"] it is the EAGLE draft layer (the input is
-    already normalised). Returns (x [B,T,D], new (k, v) [B,K,T,Dh])."""
+    already normalised). Returns (x [B,T,D], the state `attend` returns)."""
     h = rms_norm(ops, p["input_norm"], x_BTD, c.rms_norm_eps) if "input_norm" in p else x_BTD
-    a, kv = attention(ops, c, p["attn"], h, positions_BT, k_BKSD, v_BKSD, masks)
+    a, state = attention(ops, c, p["attn"], h, positions_BT, attend)
     x = x_BTD + a
     x = x + mlp(ops, p["mlp"], rms_norm(ops, p["post_norm"], x, c.rms_norm_eps))
-    return x, kv
+    return x, state
 
 
 # ---- initialisers (random weights for tests, timing and training from scratch) ----------------
@@ -158,6 +184,16 @@ def write_rows(buf_LBKSD, new_LBKTD, start_B):
     slots = start_B[:, None] + jnp.arange(T)[None]  # [B, T]
     upd = new_LBKTD.astype(buf_LBKSD.dtype).transpose(1, 3, 0, 2, 4)  # [B, T, L, K, Dh], as the index broadcast
     return buf_LBKSD.at[:, rows, :, slots, :].set(upd, mode="promise_in_bounds", unique_indices=True)
+
+
+def write_layer_rows(buf_LBKSD, layer, new_BKTD, start_B):
+    """buf[layer, b, :, start[b]:start[b]+T] = new[b] for every row b: one layer's share of
+    `write_rows`, in place."""
+    B, K, T, Dh = new_BKTD.shape
+    rows = jnp.arange(B)[:, None]  # [B, 1]
+    slots = start_B[:, None] + jnp.arange(T)[None]  # [B, T]
+    upd = new_BKTD.astype(buf_LBKSD.dtype).transpose(0, 2, 1, 3)  # [B, T, K, Dh], as the index broadcast
+    return buf_LBKSD.at[layer, rows, :, slots, :].set(upd, mode="promise_in_bounds", unique_indices=True)
 
 
 def cache_mask(length_B, local_mask_BTU, S: int):

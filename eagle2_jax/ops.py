@@ -17,6 +17,7 @@ Dh head dim, D hidden, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -41,6 +42,11 @@ class Ops:
     # attention scores laid out [slots, query rows] (XLA:CPU's faster orientation for few rows) instead
     # of [query rows, slots] (GPU/TPU: the softmax reduces along the minor axis, in fewer kernels)
     slot_major_scores: bool = False
+    # write a forward's new keys/values into the layer's cache first and attend over the cache alone
+    # (`layers.attend_within`: one block of score, softmax and value kernels a layer); off, the cache
+    # as it was and the new keys/values are two blocks of one softmax (`layers.attend_beside`), the
+    # form a backend's two-block attention kernel takes
+    cache_first: bool = True
 
     # ---- weights ------------------------------------------------------------------------------
     def weight(self, w) -> jax.Array:
@@ -80,9 +86,9 @@ class Ops:
         return {"ids": ids, "w": jnp.take(head, ids, axis=1).astype(dtype)}
 
     # ---- attention and layers -----------------------------------------------------------------
-    def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
-        """Softmax attention of T queries over the cache as it was (under mask [B, T, S]) and
-        over this call's own keys/values (mask [B, T, T]) in one float32 softmax: [B, T, H, Dh]."""
+    def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=None, mask_new_BTT=None):
+        """Softmax attention of T queries over the cache (under mask [B, T, S]) and, when given,
+        this call's own keys/values (mask [B, T, T]) in one float32 softmax: [B, T, H, Dh]."""
         return attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT,
                           slot_major=self.slot_major_scores)
 
@@ -107,9 +113,10 @@ def query_rows(q_BTHD, K: int):
     return q.astype(jnp.float32) * (1.0 / math.sqrt(Dh))
 
 
-def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, *, slot_major: bool):
-    """One float32 softmax over cache slots and new keys together, kept as two blocks (no
-    concatenated copy) and normalised after the value products ([M, Dh], not [M, slots]). Scores
+def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=None, mask_new_BTT=None, *,
+               slot_major: bool):
+    """One float32 softmax over the cache slots and, when given, the new keys as a second block
+    (no concatenated copy), normalised after the value products ([M, Dh], not [M, slots]). Scores
     [B, K, M, slots] (query rows m = g * T + t first: the softmax reduces along the minor axis, as
     GPU/TPU fuse it best), or with `slot_major` [B, K, slots, M] (with few query rows XLA's CPU
     matmuls are several times faster in that orientation). Same values either way."""
@@ -117,8 +124,10 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_ne
     K = k_BKSD.shape[1]
     G = H // K
     f32 = jnp.float32
-    qc = query_rows(q_BTHD, K).astype(k_BKSD.dtype)  # the query takes the cache's dtype, as do the new
-    k_new_BKTD, v_new_BKTD = k_new_BKTD.astype(k_BKSD.dtype), v_new_BKTD.astype(v_BKSD.dtype)  # keys / values
+    qc = query_rows(q_BTHD, K).astype(k_BKSD.dtype)  # the query takes the cache's dtype, as do the new keys / values
+    blocks = [(k_BKSD, v_BKSD, mask_BTS)]
+    if k_new_BKTD is not None:
+        blocks.append((k_new_BKTD.astype(k_BKSD.dtype), v_new_BKTD.astype(v_BKSD.dtype), mask_new_BTT))
     dot = lambda eq, a, b: jnp.einsum(eq, a.astype(b.dtype), b, preferred_element_type=f32)  # noqa: E731
 
     def rows(m_BTX):  # [B, T, X] -> [B, 1, M, X]
@@ -129,11 +138,11 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_ne
     else:
         scores = lambda k, m: jnp.where(rows(m), dot("bkmd,bksd->bkms", qc, k), NEG_INF)  # noqa: E731
         ax, pv = 3, "bkms,bksd->bkmd"
-    s_cache, s_new = scores(k_BKSD, mask_BTS), scores(k_new_BKTD, mask_new_BTT)
-    top = jnp.maximum(jnp.max(s_cache, axis=ax, initial=NEG_INF), jnp.max(s_new, axis=ax))  # [B, K, M]
-    p_cache, p_new = jnp.exp(s_cache - jnp.expand_dims(top, ax)), jnp.exp(s_new - jnp.expand_dims(top, ax))
-    total = jnp.sum(p_cache, axis=ax) + jnp.sum(p_new, axis=ax)  # [B, K, M]
-    out = dot(pv, p_cache, v_BKSD) + dot(pv, p_new, v_new_BKTD)
+    s = [scores(k, m) for k, _, m in blocks]
+    top = functools.reduce(jnp.maximum, [jnp.max(x, axis=ax, initial=NEG_INF) for x in s])  # [B, K, M]
+    p = [jnp.exp(x - jnp.expand_dims(top, ax)) for x in s]
+    total = functools.reduce(jnp.add, [jnp.sum(x, axis=ax) for x in p])  # [B, K, M]
+    out = functools.reduce(jnp.add, [dot(pv, x, v) for x, (_, v, _) in zip(p, blocks)])
     out = out / total[..., None]
     return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
 

@@ -1,5 +1,6 @@
 """EAGLE-3 heads: the published layout (key names and shapes of the official code, written here),
 a NumPy reference of the head's forward against the drafted tree, losslessness, clear errors."""
+import dataclasses
 import json
 
 import jax
@@ -13,6 +14,7 @@ from eagle2_jax.checkpoints import CheckpointError
 from eagle2_jax.eagle import draft_catch_up
 from eagle2_jax.model import target_apply
 from eagle2_jax.layers import causal_mask
+from eagle2_jax.ops import XLA
 from eagle2_jax.tree import expand
 
 H, I, NH, NKV, V, VD = 32, 64, 4, 2, 64, 40
@@ -137,10 +139,13 @@ def test_published_layout_loads_every_tensor(tmp_path):
     np.testing.assert_array_equal(p["d2t"], sd["d2t"])
 
 
-def test_drafted_tree_matches_numpy_reference(tmp_path):
+@pytest.mark.parametrize("accel", [False, True], ids=["cpu_ops", "xla_ops"])
+def test_drafted_tree_matches_numpy_reference(tmp_path, accel):
     target = _target(seed=1)
     sd = published_head(np.random.default_rng(1))
     draft = e2.load_draft(write_head(tmp_path / "h", sd, published_config()), target)
+    if accel:
+        target, draft = (dataclasses.replace(m, ops=XLA) for m in (target, draft))
     tm, tp, dm, dp = target.module, target.params, draft.module, draft.params
     prompt = [5, 9, 2, 33, 17, 8]
     P, K = len(prompt), 4
@@ -171,10 +176,13 @@ def test_drafted_tree_matches_numpy_reference(tmp_path):
                                    rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("accel", [False, True], ids=["cpu_ops", "xla_ops"])
 @pytest.mark.parametrize("tree", [e2.TreeConfig(1, 1, 2), e2.TreeConfig(3, 3, 8), e2.TreeConfig(4, 4, 20)])
-def test_eagle3_head_is_lossless_greedy(tree):
+def test_eagle3_head_is_lossless_greedy(tree, accel):
     target = _target(seed=2)
     draft = e2.init_draft(target, 3, arch="eagle3", draft_vocab_size=VD)
+    if accel:  # the GPU/TPU ops: tree forwards write the cache first, then attend over it alone
+        target, draft = (dataclasses.replace(m, ops=XLA) for m in (target, draft))
     prompts = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11]]
     out = e2.generate(target, draft, prompts, max_new_tokens=24, tree=tree)
     assert out.tokens == e2.generate_vanilla(target, prompts, max_new_tokens=24).tokens

@@ -1,8 +1,11 @@
 """EAGLE-2 at temperature 0 is token-identical to plain greedy decoding; oracle drafts reach tau = depth + 2."""
+import dataclasses
+
 import pytest
 
 from eagle2_jax import TreeConfig, generate, generate_vanilla
 from eagle2_jax.eagle import LOOP
+from eagle2_jax.ops import XLA
 from helpers import permutation_oracle, tiny_pair
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -18,7 +21,10 @@ SLOW_GRID = [(d, k, n) for d in range(1, 7) for k in (1, 3, 8)  # N = 1, 5 (when
 def models():
     rand = tiny_pair(0)
     t, d, _ = permutation_oracle(0, layer_scale=2.0)  # a good but imperfect draft: varied accept lengths
-    return {"random": rand, "noisy_oracle": (t, d)}
+    # the GPU/TPU path's ops (`ops.XLA`): each layer writes its keys/values into the cache and then
+    # attends over the cache alone (`Ops.cache_first`); the CPU's own ops attend over two blocks
+    accel = tuple(dataclasses.replace(m, ops=XLA) for m in (t, d))
+    return {"random": rand, "noisy_oracle": (t, d), "noisy_oracle_xla": accel}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +43,7 @@ def _check(models, reference, kind, cfg, max_new=23, prompts=PROMPTS):
 
 
 @pytest.mark.parametrize("cfg", GRID, ids=lambda c: "d%d_k%d_n%d" % c)
-@pytest.mark.parametrize("kind", ["random", "noisy_oracle"])
+@pytest.mark.parametrize("kind", ["random", "noisy_oracle", "noisy_oracle_xla"])
 def test_greedy_identity_grid(models, reference, kind, cfg):
     _check(models, reference, kind, cfg)
 
@@ -187,13 +193,10 @@ def test_bfloat16_draft_with_float32_target_is_lossless(models, reference, cfg, 
 
 
 @pytest.mark.parametrize("cfg", [(5, 10, 60), (2, 3, 8), (1, 1, 1)], ids=lambda c: "d%d_k%d_n%d" % c)
-def test_accelerator_ops_are_lossless(models, cfg):
-    """The GPU/TPU path's ops (`ops.XLA`; with these float32 models, what differs from the CPU's
-    flavour is the query-row-major attention scores), run here on the CPU: EAGLE-2 stays
-    token-identical to plain decoding through them."""
-    import dataclasses
-    from eagle2_jax.ops import XLA
-    t, d = (dataclasses.replace(m, ops=XLA) for m in models["noisy_oracle"])
+def test_two_block_attention_is_lossless(models, cfg):
+    """The core's other attention form (`Ops.cache_first` off: the cache as it was and the new
+    keys/values as two blocks, as the CPU and Pallas kernels take them), run with the XLA ops."""
+    ops = dataclasses.replace(XLA, cache_first=False)
+    t, d = (dataclasses.replace(m, ops=ops) for m in models["noisy_oracle"])
     want = generate_vanilla(t, PROMPTS, max_new_tokens=23).tokens
     assert generate(t, d, PROMPTS, max_new_tokens=23, tree=TreeConfig(*cfg)).tokens == want
-    assert models["noisy_oracle"][0].ops is not XLA  # (the CPU runs its own flavour by default)

@@ -1,4 +1,5 @@
 """Target model: against Hugging Face's PyTorch Llama (tiny random, built here), cache paths, errors."""
+import dataclasses
 import json
 import os
 
@@ -13,6 +14,7 @@ from eagle2_jax.cache import advance, init_cache
 from eagle2_jax.checkpoints import CheckpointError
 from eagle2_jax.layers import causal_mask
 from eagle2_jax.model import target_apply, target_logits
+from eagle2_jax.ops import XLA
 from helpers import tiny_config
 
 HF_CASES = {
@@ -75,8 +77,14 @@ def test_sharded_safetensors_index(tmp_path):
     np.testing.assert_allclose(np.asarray(forward(load_target(str(d)), ids)), ref, atol=1e-4, rtol=0)
 
 
-def test_cache_path_equals_full_forward():
+ATTENTION_FORMS = {"default": None, "cache_first": XLA, "two_blocks": dataclasses.replace(XLA, cache_first=False)}
+
+
+@pytest.mark.parametrize("form", ATTENTION_FORMS)
+def test_cache_path_equals_full_forward(form):
     t = init_target(tiny_config(), 0)
+    if ATTENTION_FORMS[form] is not None:
+        t = dataclasses.replace(t, ops=ATTENTION_FORMS[form])
     m = t.module
     ids = np.random.default_rng(1).integers(0, 64, size=(2, 12)).astype(np.int32)
     full = np.asarray(forward(t, ids))
@@ -209,5 +217,39 @@ def test_attention_score_layouts_agree_with_a_numpy_softmax():
         want[b, t, h] = p @ vals[b, h // (H // K)] / p.sum()
     args = [jnp.asarray(a, jnp.float32) for a in (q, k, v)] + [jnp.asarray(m)] + [
         jnp.asarray(a, jnp.float32) for a in (kn, vn)] + [jnp.asarray(mn)]
+    one_block = [args[0], jnp.asarray(keys, jnp.float32), jnp.asarray(vals, jnp.float32), jnp.asarray(allowed)]
     for slot_major in (True, False):
         np.testing.assert_allclose(np.asarray(attend_xla(*args, slot_major=slot_major)), want, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(attend_xla(*one_block, slot_major=slot_major)), want, atol=2e-5)
+
+
+def test_cache_first_forward_equals_two_blocks():
+    """A tree-shaped forward (offset scratch slots, a random ancestor mask, rows at different
+    lengths, aux features): writing into the cache first and attending over it alone gives the
+    features of the two-block form and the same cache."""
+    t = init_target(tiny_config(num_hidden_layers=3), 2)
+    rng = np.random.default_rng(3)
+    B, S, T, off = 2, 40, 6, 3
+    cache = init_cache(3, B, S, 2, 8, jnp.float32)
+    pre = jnp.asarray(rng.integers(0, 64, size=(B, 9)), jnp.int32)
+    _, cache = target_apply(t.module, t.params, pre, jnp.broadcast_to(jnp.arange(9), (B, 9)), cache,
+                            causal_mask(B, 9), fresh=True)
+    cache = advance(cache, jnp.asarray([9, 6], jnp.int32))  # row 1 keeps 6 of its 9 (stale slots after)
+    _, cache = target_apply(t.module, t.params, pre[:, :off], cache.length[:, None] + jnp.arange(off)[None], cache,
+                            causal_mask(B, off))  # scratch slots 0..off-1, written by an earlier call
+    local = np.tril(np.ones((T + off, T + off), bool)) & (rng.random((B, T + off, T + off)) < 0.6)
+    local[:, np.arange(T + off), np.arange(T + off)] = True
+    local = jnp.asarray(local[:, off:])  # [B, T, U]: the new tokens see some earlier scratch, themselves
+    ids = jnp.asarray(rng.integers(0, 64, size=(B, T)), jnp.int32)
+    pos = cache.length[:, None] + off + jnp.asarray(rng.integers(0, 3, size=(B, T)), jnp.int32)
+    outs = {}
+    for form in ("cache_first", "two_blocks"):
+        m = dataclasses.replace(t, ops=ATTENTION_FORMS[form]).module
+        outs[form] = jax.jit(target_apply, static_argnums=(0, 6, 7, 8))(m, t.params, ids, pos, cache, local, off, False,
+                                                                    (0, 2))
+    (f1, c1, a1), (f2, c2, a2) = outs["cache_first"], outs["two_blocks"]
+    np.testing.assert_allclose(np.asarray(f1), np.asarray(f2), atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(a1), np.asarray(a2), atol=2e-5, rtol=0)
+    for x, y in ((c1.k, c2.k), (c1.v, c2.v)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=0)
+    assert not np.array_equal(np.asarray(c1.k), np.asarray(cache.k))  # (the new entries were written)

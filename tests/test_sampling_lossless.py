@@ -88,6 +88,18 @@ def test_sampling_matches_target_distribution(pair, tree, temperature, top_p):
     assert p > P_THRESHOLD, f"chi2={stat:.1f} on {k} dof, p={p:.2e}"
 
 
+def test_sampling_with_cache_first_attention_matches_target_distribution(pair):
+    """The same check with the GPU/TPU ops (`ops.XLA`): tree verification and draft passes write
+    their keys/values into the cache first and attend over it alone."""
+    import dataclasses
+    from eagle2_jax.ops import XLA
+    t, d = (dataclasses.replace(m, ops=XLA) for m in pair)
+    expected = exact_distribution(t, SamplingConfig(1.0, 0, 0.8))
+    counts = sample_counts(t, d, TREES["tree"], 1.0, 0.8)
+    p, stat, k = chi_square_p(counts, expected)
+    assert p > P_THRESHOLD, f"chi2={stat:.1f} on {k} dof, p={p:.2e}"
+
+
 def _always_accept(q_N, parents_N, skip_N, key):
     """Accepts the first child at every node."""
     N = q_N.shape[0]

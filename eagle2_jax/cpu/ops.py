@@ -64,6 +64,7 @@ class CpuOps(core_ops.Ops):
     f32_dot_outputs: bool = True
     slot_major_scores: bool = True  # (XLA:CPU's faster orientation, for the XLA attention fallback)
     attention: bool = True  # the attention kernel for float32 caches
+    cache_first: bool = False  # the kernel takes the cache as it was and the new keys/values as two blocks
 
     def weight(self, w):
         if packed.is_packed(w):  # GGUF blocks: their float32 copy

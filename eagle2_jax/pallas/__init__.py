@@ -36,6 +36,7 @@ class PallasOps(core_ops.Ops):
     backend: str = "interpret"  # gpu (Triton) | tpu (Mosaic) | interpret
     block: int = 128  # cache slots per kernel step
     mesh: Optional[Any] = None  # run the kernel per shard of this mesh
+    cache_first: bool = False  # the kernel takes the cache as it was and the new keys/values as two blocks
 
     max_new: int = 128  # calls with more new tokens (prefill) keep the XLA attention
 
