@@ -40,6 +40,11 @@ def test_kernel_equals_xla_attention(B, T, H, K, S, Dh, lengths, scratch):
     for block in (16, 128):
         got = tree_attention(*args, block=block, backend=BACKEND)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
+    if S:  # the cache alone (a forward that wrote its keys/values first): the new block moved into it
+        one = (args[0], jnp.concatenate([args[1], args[4]], 2), jnp.concatenate([args[2], args[5]], 2),
+               jnp.concatenate([args[3], args[6]], 2))
+        got = tree_attention(*one, block=16, backend=BACKEND)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
 
 
 def test_kernel_bfloat16_and_live_blocks():

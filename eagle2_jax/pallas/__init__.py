@@ -36,12 +36,11 @@ class PallasOps(core_ops.Ops):
     backend: str = "interpret"  # gpu (Triton) | tpu (Mosaic) | interpret
     block: int = 128  # cache slots per kernel step
     mesh: Optional[Any] = None  # run the kernel per shard of this mesh
-    cache_first: bool = False  # the kernel takes the cache as it was and the new keys/values as two blocks
 
     max_new: int = 128  # calls with more new tokens (prefill) keep the XLA attention
 
-    def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
-        args = (q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT)
+    def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=None, mask_new_BTT=None):
+        args = (q_BTHD, k_BKSD, v_BKSD, mask_BTS) + (() if k_new_BKTD is None else (k_new_BKTD, v_new_BKTD, mask_new_BTT))
         if q_BTHD.shape[1] > self.max_new:  # the kernel holds the new tokens' [T, T] block whole
             return core_ops.attend_xla(*args, slot_major=self.slot_major_scores)
         run = lambda *a: tree_attention(*a, block=self.block, backend=self.backend)  # noqa: E731
@@ -52,7 +51,7 @@ class PallasOps(core_ops.Ops):
         d = "data" if B % self.mesh.shape["data"] == 0 else None
         m = "model" if K % self.mesh.shape["model"] == 0 else None
         specs = (P(d, None, m, None), P(d, m, None, None), P(d, m, None, None), P(d, None, None),
-                 P(d, m, None, None), P(d, m, None, None), P(d, None, None))
+                 P(d, m, None, None), P(d, m, None, None), P(d, None, None))[:len(args)]
         return jax.shard_map(run, mesh=self.mesh, in_specs=specs, out_specs=P(d, None, m, None),
                              check_vma=False)(*args)
 

@@ -5,7 +5,8 @@
 4K cache and batch 16 that is far more traffic than the cache itself. This kernel computes the
 same attention with an online softmax over cache blocks of `block` slots: each (row, key/value
 head) program walks only the blocks up to the last slot its mask allows (committed prefix and
-scratch), then the call's own new keys under the tree mask, and writes [T, Dh] per query head.
+scratch), then, when given, the call's own new keys under the tree mask (a forward that wrote them
+into the cache first passes none), and writes [T, Dh] per query head.
 Scores never leave the chip.
 
 Same arguments and result as `Ops.attend`; query rows are padded to a power of two (at least 16,
@@ -32,7 +33,9 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _kernel(nblocks_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, maskn_ref, o_ref, *, G, block):
+def _kernel(nblocks_ref, q_ref, k_ref, v_ref, mask_ref, *refs, G, block):
+    """refs: (new keys, new values, their mask, out), or (out,) when the call has no new block."""
+    *new_refs, o_ref = refs
     f32 = jnp.float32
     n = nblocks_ref[pl.program_id(0)]
 
@@ -58,7 +61,10 @@ def _kernel(nblocks_ref, q_ref, k_ref, v_ref, mask_ref, kn_ref, vn_ref, maskn_re
             return update(q, carry, k, v, mask_ref[:, pl.ds(start, block)] != 0)
         carry = (jnp.full((Tp,), NEG_INF, f32), jnp.zeros((Tp,), f32), jnp.zeros((Tp, Dh), f32))
         carry = lax.fori_loop(0, n, body, carry)
-        _, total, acc = update(q, carry, kn_ref[...], vn_ref[...], maskn_ref[...] != 0)
+        if new_refs:
+            kn_ref, vn_ref, maskn_ref = new_refs
+            carry = update(q, carry, kn_ref[...], vn_ref[...], maskn_ref[...] != 0)
+        _, total, acc = carry
         o_ref[g] = (acc / total[:, None]).astype(o_ref.dtype)
 
 
@@ -71,9 +77,10 @@ def live_blocks(mask_BTS, block: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("block", "backend"))
-def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, *,
+def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=None, mask_new_BTT=None, *,
                    block: int = 128, backend: str = "interpret"):
-    """`Ops.attend` as one kernel. backend: "gpu" (Triton), "tpu" (Mosaic) or "interpret"."""
+    """`Ops.attend` as one kernel (without new keys/values: over the cache alone, as a forward that
+    wrote them into the cache first). backend: "gpu" (Triton), "tpu" (Mosaic) or "interpret"."""
     B, T, H, Dh = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
     G = H // K
@@ -87,9 +94,11 @@ def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mas
     if Sp != S:  # small caches only: buckets are multiples of the block
         k_BKSD = jnp.pad(k_BKSD, ((0, 0), (0, 0), (0, Sp - S), (0, 0)))
         v_BKSD = jnp.pad(v_BKSD, ((0, 0), (0, 0), (0, Sp - S), (0, 0)))
-    pad_new = ((0, 0), (0, 0), (0, Tp - T), (0, 0))
-    kn, vn = jnp.pad(k_new_BKTD.astype(dt), pad_new), jnp.pad(v_new_BKTD.astype(dt), pad_new)
-    mask_new = jnp.pad(mask_new_BTT, ((0, 0), (0, Tp - T), (0, Tp - T))).astype(jnp.int32)  # [B, Tp, Tp]
+    new = ()
+    if k_new_BKTD is not None:
+        pad_new = ((0, 0), (0, 0), (0, Tp - T), (0, 0))
+        new = (jnp.pad(k_new_BKTD.astype(dt), pad_new), jnp.pad(v_new_BKTD.astype(dt), pad_new),
+               jnp.pad(mask_new_BTT, ((0, 0), (0, Tp - T), (0, Tp - T))).astype(jnp.int32))  # mask [B, Tp, Tp]
     nblocks = live_blocks(mask_BTS, block)
 
     row = lambda *shape: pl.BlockSpec((None,) + shape, lambda b, h: (b,) + (0,) * len(shape))  # noqa: E731
@@ -104,18 +113,19 @@ def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mas
             from jax.experimental.pallas import triton as pltriton
             params = pltriton.CompilerParams(num_warps=4, num_stages=2)
     live = B * K * (Sp * Dh * 2 * jnp.dtype(dt).itemsize)  # an upper bound: every block live
-    cost = pl.CostEstimate(flops=4 * B * H * Tp * (Sp + Tp) * Dh, transcendentals=B * H * Tp * (Sp + Tp),
+    Tn = Tp if new else 0
+    cost = pl.CostEstimate(flops=4 * B * H * Tp * (Sp + Tn) * Dh, transcendentals=B * H * Tp * (Sp + Tn),
                            bytes_accessed=live + q.size * q.dtype.itemsize * 2 + mask.size * 4)
     out = pl.pallas_call(
         functools.partial(_kernel, G=G, block=block),
         grid=(B, K),
-        in_specs=[scalars, head(G, Tp, Dh), head(Sp, Dh), head(Sp, Dh), row(Tp, Sp), head(Tp, Dh), head(Tp, Dh),
-                  row(Tp, Tp)],
+        in_specs=[scalars, head(G, Tp, Dh), head(Sp, Dh), head(Sp, Dh), row(Tp, Sp)] + (
+            [head(Tp, Dh), head(Tp, Dh), row(Tp, Tp)] if new else []),
         out_specs=head(G, Tp, Dh),
         out_shape=jax.ShapeDtypeStruct((B, K, G, Tp, Dh), q_BTHD.dtype),
         interpret=backend == "interpret",
         compiler_params=params,
         cost_estimate=cost,
         name="tree_attention",
-    )(nblocks, q, k_BKSD, v_BKSD, mask, kn, vn, mask_new)
+    )(nblocks, q, k_BKSD, v_BKSD, mask, *new)
     return out[:, :, :, :T].transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
