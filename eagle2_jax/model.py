@@ -21,6 +21,7 @@ import numpy as np
 
 from .cache import KVCache, init_cache, write
 from .config import ModelConfig
+from .layer_list import holds_layer_lists
 from .layers import (attend_beside, attend_within, cache_mask, causal_mask, decoder_layer, init_layers, rms_norm,
                      split_masks)
 from .ops import XLA, Ops
@@ -36,14 +37,19 @@ def cache_view(cache: KVCache, local_mask_BTU, offset: int, fresh: bool):
     return cache.k[..., :S, :], cache.v[..., :S, :], split_masks(cache.length, local_mask_BTU, offset, S)
 
 
-def writes_first(ops: Ops, T: int, fresh: bool) -> bool:
+def writes_first(ops: Ops, T: int, fresh: bool, static_layers: bool = True) -> bool:
     """Whether a forward over T new tokens writes their keys/values into the cache before attending
-    over it (`attend_within`): on the ops that take one block, for T > 1. A single token's own key
-    is one score that XLA folds into the softmax's reductions, so a decode step keeps the two-block
-    form and writes all layers after the loop (XLA for H200 at 8B: 19 kernels a layer, against 21
-    written first; tree verification: 17 written first, against 21). A prefill into an empty cache
-    attends over its own tokens alone."""
-    return ops.cache_first and T > 1 and not fresh
+    over it (`attend_within`): on the ops that take one block, for T > 1, where each layer's cache
+    is a static slice (`static_layers`: a one-layer draft, or the layer loop unrolled, as over the
+    per-layer weight buffers used on GPU). A single token's own key is one score that XLA folds into
+    the softmax's reductions, so a decode step keeps the two-block form and writes all layers after
+    the loop (XLA for H200 at 8B: 19 kernels a layer, against 21 written first; tree verification:
+    17 written first, against 21). In a scan over stacked layers (TPU, CPU) the layer's cache
+    would be cut out of a cache carried through the loop by a dynamic slice, a copy of the whole
+    layer cache every layer (TPU v6e at 8B: 2 copies and 7 small ops more a layer); there the scan
+    reads the cache in place as its input instead. A prefill into an empty cache attends over its
+    own tokens alone."""
+    return ops.cache_first and T > 1 and not fresh and static_layers
 
 
 def one_layer_forward(ops: Ops, cache: KVCache, local_mask_BTU, offset: int, fresh: bool, run):
@@ -129,7 +135,8 @@ class Llama(nn.Module):
             hit = jnp.asarray(aux_layers, jnp.int32) == ops.weight(i)
             return jnp.where(hit[:, None, None, None], x_BTD[None], aux_ABTD)
 
-        if writes_first(ops, tokens_BT.shape[1], fresh):  # each layer writes its slots, then attends over its cache alone
+        unrolled = ops.unroll_layers or holds_layer_lists(self.layers)
+        if writes_first(ops, tokens_BT.shape[1], fresh, unrolled):  # each layer writes, then attends over its cache
             mask_BTS = cache_mask(cache.length, local_mask_BTU, cache.max_len)
 
             def layer(carry, xs):

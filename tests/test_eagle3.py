@@ -14,6 +14,7 @@ from eagle2_jax.checkpoints import CheckpointError
 from eagle2_jax.eagle import draft_catch_up
 from eagle2_jax.model import target_apply
 from eagle2_jax.layers import causal_mask
+from eagle2_jax.layer_list import per_layer
 from eagle2_jax.ops import XLA
 from eagle2_jax.tree import expand
 
@@ -145,7 +146,7 @@ def test_drafted_tree_matches_numpy_reference(tmp_path, accel):
     sd = published_head(np.random.default_rng(1))
     draft = e2.load_draft(write_head(tmp_path / "h", sd, published_config()), target)
     if accel:
-        target, draft = (dataclasses.replace(m, ops=XLA) for m in (target, draft))
+        target, draft = per_layer(dataclasses.replace(target, ops=XLA)), dataclasses.replace(draft, ops=XLA)
     tm, tp, dm, dp = target.module, target.params, draft.module, draft.params
     prompt = [5, 9, 2, 33, 17, 8]
     P, K = len(prompt), 4
@@ -181,8 +182,8 @@ def test_drafted_tree_matches_numpy_reference(tmp_path, accel):
 def test_eagle3_head_is_lossless_greedy(tree, accel):
     target = _target(seed=2)
     draft = e2.init_draft(target, 3, arch="eagle3", draft_vocab_size=VD)
-    if accel:  # the GPU/TPU ops: tree forwards write the cache first, then attend over it alone
-        target, draft = (dataclasses.replace(m, ops=XLA) for m in (target, draft))
+    if accel:  # the GPU path: tree forwards write the cache first, then attend over it alone
+        target, draft = per_layer(dataclasses.replace(target, ops=XLA)), dataclasses.replace(draft, ops=XLA)
     prompts = [[1, 2, 3], [4, 5], [7, 8, 9, 10, 11]]
     out = e2.generate(target, draft, prompts, max_new_tokens=24, tree=tree)
     assert out.tokens == e2.generate_vanilla(target, prompts, max_new_tokens=24).tokens

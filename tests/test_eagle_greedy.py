@@ -5,6 +5,7 @@ import pytest
 
 from eagle2_jax import TreeConfig, generate, generate_vanilla
 from eagle2_jax.eagle import LOOP
+from eagle2_jax.layer_list import per_layer
 from eagle2_jax.ops import XLA
 from helpers import permutation_oracle, tiny_pair
 
@@ -21,9 +22,10 @@ SLOW_GRID = [(d, k, n) for d in range(1, 7) for k in (1, 3, 8)  # N = 1, 5 (when
 def models():
     rand = tiny_pair(0)
     t, d, _ = permutation_oracle(0, layer_scale=2.0)  # a good but imperfect draft: varied accept lengths
-    # the GPU/TPU path's ops (`ops.XLA`): each layer writes its keys/values into the cache and then
-    # attends over the cache alone (`Ops.cache_first`); the CPU's own ops attend over two blocks
-    accel = tuple(dataclasses.replace(m, ops=XLA) for m in (t, d))
+    # the GPU path: `ops.XLA` over per-layer weight buffers, where tree forwards write each layer's
+    # keys/values into the cache and then attend over the cache alone (`Ops.cache_first`); the
+    # CPU's own ops attend over two blocks
+    accel = (per_layer(dataclasses.replace(t, ops=XLA)), dataclasses.replace(d, ops=XLA))
     return {"random": rand, "noisy_oracle": (t, d), "noisy_oracle_xla": accel}
 
 
@@ -195,8 +197,9 @@ def test_bfloat16_draft_with_float32_target_is_lossless(models, reference, cfg, 
 @pytest.mark.parametrize("cfg", [(5, 10, 60), (2, 3, 8), (1, 1, 1)], ids=lambda c: "d%d_k%d_n%d" % c)
 def test_two_block_attention_is_lossless(models, cfg):
     """The core's other attention form (`Ops.cache_first` off: the cache as it was and the new
-    keys/values as two blocks, as the CPU and Pallas kernels take them), run with the XLA ops."""
+    keys/values as two blocks, as the CPU kernel takes them), run with the XLA ops."""
     ops = dataclasses.replace(XLA, cache_first=False)
     t, d = (dataclasses.replace(m, ops=ops) for m in models["noisy_oracle"])
+    t = per_layer(t)
     want = generate_vanilla(t, PROMPTS, max_new_tokens=23).tokens
     assert generate(t, d, PROMPTS, max_new_tokens=23, tree=TreeConfig(*cfg)).tokens == want

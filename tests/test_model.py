@@ -80,11 +80,18 @@ def test_sharded_safetensors_index(tmp_path):
 ATTENTION_FORMS = {"default": None, "cache_first": XLA, "two_blocks": dataclasses.replace(XLA, cache_first=False)}
 
 
+def _with_form(t, form):
+    """The target computing with one attention form; cache-first needs the layer loop unrolled
+    (per-layer weight buffers, the GPU layout)."""
+    from eagle2_jax.layer_list import per_layer
+    if ATTENTION_FORMS[form] is None:
+        return t
+    return per_layer(dataclasses.replace(t, ops=ATTENTION_FORMS[form]))
+
+
 @pytest.mark.parametrize("form", ATTENTION_FORMS)
 def test_cache_path_equals_full_forward(form):
-    t = init_target(tiny_config(), 0)
-    if ATTENTION_FORMS[form] is not None:
-        t = dataclasses.replace(t, ops=ATTENTION_FORMS[form])
+    t = _with_form(init_target(tiny_config(), 0), form)
     m = t.module
     ids = np.random.default_rng(1).integers(0, 64, size=(2, 12)).astype(np.int32)
     full = np.asarray(forward(t, ids))
@@ -244,12 +251,14 @@ def test_cache_first_forward_equals_two_blocks():
     pos = cache.length[:, None] + off + jnp.asarray(rng.integers(0, 3, size=(B, T)), jnp.int32)
     outs = {}
     for form in ("cache_first", "two_blocks"):
-        m = dataclasses.replace(t, ops=ATTENTION_FORMS[form]).module
-        outs[form] = jax.jit(target_apply, static_argnums=(0, 6, 7, 8))(m, t.params, ids, pos, cache, local, off, False,
-                                                                    (0, 2))
+        tf = _with_form(t, form)
+        outs[form] = jax.jit(target_apply, static_argnums=(0, 6, 7, 8))(tf.module, tf.params, ids, pos, cache, local,
+                                                                    off, False, (0, 2))
     (f1, c1, a1), (f2, c2, a2) = outs["cache_first"], outs["two_blocks"]
     np.testing.assert_allclose(np.asarray(f1), np.asarray(f2), atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(a1), np.asarray(a2), atol=2e-5, rtol=0)
     for x, y in ((c1.k, c2.k), (c1.v, c2.v)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=0)
     assert not np.array_equal(np.asarray(c1.k), np.asarray(cache.k))  # (the new entries were written)
+    from eagle2_jax.model import writes_first
+    assert writes_first(XLA, T, False, True) and not writes_first(XLA, T, False, False)  # (two forms compared)

@@ -89,11 +89,12 @@ def test_sampling_matches_target_distribution(pair, tree, temperature, top_p):
 
 
 def test_sampling_with_cache_first_attention_matches_target_distribution(pair):
-    """The same check with the GPU/TPU ops (`ops.XLA`): tree verification and draft passes write
-    their keys/values into the cache first and attend over it alone."""
+    """The same check on the GPU path (`ops.XLA`, per-layer weight buffers): tree verification
+    and draft passes write their keys/values into the cache first and attend over it alone."""
     import dataclasses
+    from eagle2_jax.layer_list import per_layer
     from eagle2_jax.ops import XLA
-    t, d = (dataclasses.replace(m, ops=XLA) for m in pair)
+    t, d = per_layer(dataclasses.replace(pair[0], ops=XLA)), dataclasses.replace(pair[1], ops=XLA)
     expected = exact_distribution(t, SamplingConfig(1.0, 0, 0.8))
     counts = sample_counts(t, d, TREES["tree"], 1.0, 0.8)
     p, stat, k = chi_square_p(counts, expected)
