@@ -9,13 +9,15 @@ Every product goes through `ops` (eagle2_jax.ops): the layer code is the same on
 A layer computes its queries and new keys/values and hands them to an `attend` function, which
 owns the cache access. Two are defined here:
   `attend_within`: the new keys/values are written into the layer's cache slots first, then the
-    queries attend over that layer's cache alone, in one block (mask [B, T, S]). The accelerator
-    path (`Ops.cache_first`): one set of score, softmax and value kernels a layer, and the cache
-    write is ordered before the read by data dependence, so it happens in place.
+    queries attend over that layer's cache alone, in one block (mask [B, T, S]): one set of score,
+    softmax and value kernels a layer, and the write is ordered before the read by data
+    dependence, so it happens in place. Forwards over several tokens (tree verification, draft
+    passes) with ops that take it (`Ops.cache_first`), where each layer's cache is a static slice
+    (`model.writes_first`).
   `attend_beside`: the cache as it was before the call (mask [B, T, S]) and the new keys/values
     (mask [B, T, T]) as two blocks in one softmax; the caller writes all layers' new entries after
-    the layer loop in one scatter. Backends whose attention kernel takes the two blocks (the CPU's
-    C++ kernel, the Pallas kernel) and prefill into an empty cache (no cache block at all) use it.
+    the layer loop in one scatter. Decode steps, prefill into an empty cache (no cache block at
+    all), scans over stacked layers, and the CPU backend's two-block attention kernel.
 
 Param dict of one layer (the target stacks these on a leading L axis):
   input_norm/scale [D] (not in the draft layer); post_norm/scale [D];
