@@ -119,8 +119,8 @@ def attend_within(ops: Ops, k_LBKSD, v_LBKSD, layer, start_B, mask_BTS):
     mask [B,T,S] (`cache_mask`, the new tokens' own slots included). State: the updated stacked
     (k, v) [L,B,K,S,Dh]."""
     def attend(q_BTHD, k_BKTD, v_BKTD):
-        k_all = write_layer_rows(k_LBKSD, layer, k_BKTD, start_B)
-        v_all = write_layer_rows(v_LBKSD, layer, v_BKTD, start_B)
+        k_all = write_rows(k_LBKSD, k_BKTD, start_B, layer)
+        v_all = write_rows(v_LBKSD, v_BKTD, start_B, layer)
         return ops.attend(q_BTHD, k_all[layer], v_all[layer], mask_BTS), (k_all, v_all)
     return attend
 
@@ -174,28 +174,20 @@ def init_layers(key, c: ModelConfig, dtype) -> dict:
     return jax.vmap(lambda k: init_layer(k, c, dtype))(jax.random.split(key, c.num_hidden_layers))
 
 
-def write_rows(buf_LBKSD, new_LBKTD, start_B):
-    """buf[:, b, :, start[b]:start[b]+T] = new[:, b] for every row b (all layers), in place.
+def write_rows(buf_LBKSD, new_LBKTD, start_B, layer=None):
+    """buf[:, b, :, start[b]:start[b]+T] = new[:, b] for every row b (all layers), in place; with
+    `layer` (an int or traced index), new [B,K,T,Dh] goes to that layer alone.
 
     One scatter with B*T row indices: XLA updates the buffer in place. It replaced a chain of B
     dynamic-update-slices, which compiled in twice the time at B = 16 and, looped for large B,
     copied the cache every call. Callers size the cache so start + T <= S.
     """
-    L, B, K, T, Dh = new_LBKTD.shape
+    B, T = new_LBKTD.shape[-4], new_LBKTD.shape[-2]
     rows = jnp.arange(B)[:, None]  # [B, 1]
     slots = start_B[:, None] + jnp.arange(T)[None]  # [B, T]
-    upd = new_LBKTD.astype(buf_LBKSD.dtype).transpose(1, 3, 0, 2, 4)  # [B, T, L, K, Dh], as the index broadcast
-    return buf_LBKSD.at[:, rows, :, slots, :].set(upd, mode="promise_in_bounds", unique_indices=True)
-
-
-def write_layer_rows(buf_LBKSD, layer, new_BKTD, start_B):
-    """buf[layer, b, :, start[b]:start[b]+T] = new[b] for every row b: one layer's share of
-    `write_rows`, in place."""
-    B, K, T, Dh = new_BKTD.shape
-    rows = jnp.arange(B)[:, None]  # [B, 1]
-    slots = start_B[:, None] + jnp.arange(T)[None]  # [B, T]
-    upd = new_BKTD.astype(buf_LBKSD.dtype).transpose(0, 2, 1, 3)  # [B, T, K, Dh], as the index broadcast
-    return buf_LBKSD.at[layer, rows, :, slots, :].set(upd, mode="promise_in_bounds", unique_indices=True)
+    upd = jnp.moveaxis(new_LBKTD.astype(buf_LBKSD.dtype), (-4, -2), (0, 1))  # [B, T, (L,) K, Dh], as the index broadcast
+    at = (slice(None) if layer is None else layer, rows, slice(None), slots, slice(None))
+    return buf_LBKSD.at[at].set(upd, mode="promise_in_bounds", unique_indices=True)
 
 
 def cache_mask(length_B, local_mask_BTU, S: int):
