@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .checkpoints import (CheckpointError, _id, _kv, _kvb, _o, _q, _qb, _t, check_params, convert)
+from . import layer_list
 from .config import ModelConfig
 from .draft import Draft, abstract_draft_params, check_compatible
 from .model import Target, resolve_dtype
@@ -191,8 +192,13 @@ def load_draft(source: str, target: Target, dtype: Optional[str] = None, draft_v
     `random` (or any `random:...` name) gives a randomly initialised head fitting `target`, for timing;
     for a vocabulary over RANDOM_DRAFT_VOCAB tokens (Llama 3's 128,256) it drafts over that many ids
     (a stand-in for a trained head's frequency-ranked draft vocabulary: each draft pass then reads a
-    quarter of the LM head), unless `draft_vocab=False`.
+    quarter of the LM head), unless `draft_vocab=False`. For a target with per-layer buffers (GPU),
+    the head's gate and up weights become one buffer as the target's do (`layer_list.draft_like`).
     """
+    return layer_list.draft_like(_load_draft_vocab(source, target, dtype, draft_vocab), target)
+
+
+def _load_draft_vocab(source: str, target: Target, dtype, draft_vocab: bool) -> Draft:
     if str(source) == "random" or str(source).startswith("random:"):
         from .draft import init_draft, with_draft_vocab
         d = init_draft(target, dtype=dtype)
@@ -227,6 +233,7 @@ def _load_draft(source: str, target: Target, dtype: Optional[str] = None) -> Dra
 
 def eagle_state_dict(draft: Draft) -> dict:
     """Our params -> EAGLE key names and torch layouts (numpy float32)."""
+    draft = _unfused(draft)
     c = draft.config
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), draft.params)
     L = p["layers_0"]
@@ -247,6 +254,7 @@ def eagle_state_dict(draft: Draft) -> dict:
 
 def eagle3_state_dict(draft: Draft) -> dict:
     """An EAGLE-3 head's params -> the published key names and torch layouts (numpy)."""
+    draft = _unfused(draft)
     c, V = draft.config, draft.config.vocab_size
     p = jax.tree_util.tree_map(lambda x: np.asarray(x), draft.params)
     L = p["layers_0"]
@@ -267,12 +275,23 @@ def eagle3_state_dict(draft: Draft) -> dict:
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}, {"d2t": d2t, "t2d": t2d}
 
 
+def _unfused(draft: Draft) -> Draft:
+    """The draft with gate and up apart, as every written layout holds them (see layer_list.draft_like)."""
+    layer = draft.params["layers_0"]
+    if "gate_up" not in layer["mlp"]:
+        return draft
+    import dataclasses
+    layer = {**layer, "mlp": layer_list.split_gate_up(layer["mlp"])}
+    return dataclasses.replace(draft, params={**draft.params, "layers_0": layer})
+
+
 def save_draft(draft: Draft, directory: str, format: str = "eagle", dtype: str = "bfloat16", target=None) -> str:
     """Write `draft` as an EAGLE-format directory (safetensors: format "eagle" for EAGLE-1/2 heads,
     "eagle3" for EAGLE-3 heads, the published layouts) or in our Orbax format (plus
     `draft_vocab.json` when the draft has a vocabulary subset). With `target`, an EAGLE-1/2 export
     also holds `embed_tokens.weight` (the target's embedding), as the official code's strict loader
     expects."""
+    draft = _unfused(draft)
     if format == "eagle" and draft.arch == "eagle3":
         format = "eagle3"
     if format == "eagle3" and draft.arch != "eagle3":

@@ -123,8 +123,7 @@ def per_layer(target, *, release: bool = False):
 
     stacked = dict(target.params["layers"])
     mlp = dict(stacked.pop("mlp"))
-    gate, up = mlp["gate"], mlp["up"]
-    if set(gate) == set(up) == {"kernel"} and _whole_on_each_device(gate["kernel"]):
+    if _fusable(mlp):
         g, u = mlp.pop("gate")["kernel"], mlp.pop("up")["kernel"]
         if isinstance(g, jax.ShapeDtypeStruct):
             fused = LayerList([_concat_last(gi, ui) for gi, ui in zip(unstack(g).items, unstack(u).items)])
@@ -141,6 +140,38 @@ def per_layer(target, *, release: bool = False):
         return out
     layers = jax.tree_util.tree_map(split, {**stacked, "mlp": mlp}, is_leaf=is_layer_list)
     return dataclasses.replace(target, params={**target.params, "layers": layers})
+
+
+def draft_like(draft, target):
+    """The draft with its layer's gate and up weights as one [D, 2F] "gate_up" buffer when `target`
+    holds per-layer buffers (as `per_layer` gives them, for the same reason: at the 8B shape apart
+    they cost a kernel and the up weights' trip through the L2 at each draft pass); else unchanged.
+    `split_gate_up` undoes it (the head's writers use it)."""
+    layer = draft.params.get("layers_0") if isinstance(draft.params, dict) else None
+    if not holds_layer_lists(target.params["layers"]) or layer is None or not _fusable(layer["mlp"]):
+        return draft
+    mlp = dict(layer["mlp"])
+    g, u = mlp.pop("gate")["kernel"], mlp.pop("up")["kernel"]
+    fused = _concat_last(g, u) if isinstance(g, jax.ShapeDtypeStruct) else jnp.concatenate([g, u], axis=-1)
+    mlp["gate_up"] = {"kernel": fused}
+    return dataclasses.replace(draft, params={**draft.params, "layers_0": {**layer, "mlp": mlp}})
+
+
+def split_gate_up(mlp: dict) -> dict:
+    """One layer's MLP params with a fused "gate_up" kernel [..., 2F] split back into gate and up."""
+    if "gate_up" not in mlp:
+        return mlp
+    rest = {k: v for k, v in mlp.items() if k != "gate_up"}
+    gate, up = jnp.split(mlp["gate_up"]["kernel"], 2, axis=-1)
+    return {**rest, "gate": {"kernel": gate}, "up": {"kernel": up}}
+
+
+def _fusable(mlp) -> bool:
+    """Gate and up without biases, each whole on every device (split along F, their concatenation
+    would interleave the devices' halves)."""
+    gate, up = mlp.get("gate"), mlp.get("up")
+    return (isinstance(gate, dict) and isinstance(up, dict) and set(gate) == set(up) == {"kernel"}
+            and _whole_on_each_device(gate["kernel"]))
 
 
 def uses_core_layer_loop(target) -> bool:

@@ -588,7 +588,7 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         target = dataclasses.replace(stacked, ops=base)
         if per_layer:
             target = layer_list.per_layer(target)
-        draft = dataclasses.replace(draft0, ops=base)
+        draft = layer_list.draft_like(dataclasses.replace(draft0, ops=base), target)
         tm, dm, tp, dp = target.module, draft.module, target.params, draft.params
         _, args, static = vanilla._program_inputs(target, prompts, max_new_tokens, None, 0, SamplingConfig())
         pst = lower(vanilla.PREFILL._jit, *args, **static).out_info

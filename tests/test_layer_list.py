@@ -39,13 +39,37 @@ def test_per_layer_buffers_give_the_same_tokens(ops):
     assert e2.generate(tl, d, PROMPTS, **sampled).tokens == e2.generate(t, d, PROMPTS, **sampled).tokens
 
 
+def test_draft_gate_up_fused_beside_a_per_layer_target(tmp_path):
+    """Beside a per-layer target the draft's gate and up become one buffer too: same tokens and
+    accept lengths, and the written head holds them apart as before."""
+    t = _xla(e2.init_target(tiny_config(num_hidden_layers=2), 0), XLA)
+    d = _xla(e2.init_draft(t, 1), XLA)
+    assert layer_list.draft_like(d, t) is d  # stacked target: unchanged
+    tl = per_layer(t)
+    df = layer_list.draft_like(d, tl)
+    mlp, apart = df.params["layers_0"]["mlp"], d.params["layers_0"]["mlp"]
+    assert set(mlp) == {"gate_up", "down"}
+    np.testing.assert_array_equal(np.asarray(mlp["gate_up"]["kernel"]), np.concatenate(
+        [np.asarray(apart["gate"]["kernel"]), np.asarray(apart["up"]["kernel"])], axis=-1))
+    tree = e2.TreeConfig(3, 3, 10)
+    ref = e2.generate(t, d, PROMPTS, max_new_tokens=14, tree=tree)
+    out = e2.generate(tl, df, PROMPTS, max_new_tokens=14, tree=tree)
+    assert out.tokens == ref.tokens and out.accept_lengths == ref.accept_lengths
+    e2.save_draft(df, str(tmp_path / "head"), dtype="float32")
+    back = e2.load_draft(str(tmp_path / "head"), t)  # (a stacked target: loaded apart)
+    for n in ("gate", "up", "down"):
+        np.testing.assert_array_equal(np.asarray(back.params["layers_0"]["mlp"][n]["kernel"]),
+                                      np.asarray(apart[n]["kernel"]))
+    assert set(e2.load_draft(str(tmp_path / "head"), tl).params["layers_0"]["mlp"]) == {"gate_up", "down"}
+
+
 def test_eagle3_aux_features_through_per_layer_buffers():
     """An EAGLE-3 head reads three layers' hidden states, picked inside the layer loop."""
     t = _xla(e2.init_target(tiny_config(num_hidden_layers=4), 2), XLA_CPU)
     d = _xla(e2.init_draft(t, 3, arch="eagle3", draft_vocab_size=40), XLA_CPU)
     tl = per_layer(t)
     tree = e2.TreeConfig(3, 3, 8)
-    out = e2.generate(tl, d, PROMPTS, max_new_tokens=16, tree=tree)
+    out = e2.generate(tl, layer_list.draft_like(d, tl), PROMPTS, max_new_tokens=16, tree=tree)
     assert out.tokens == e2.generate_vanilla(t, PROMPTS, max_new_tokens=16).tokens
     assert out.accept_lengths == e2.generate(t, d, PROMPTS, max_new_tokens=16, tree=tree).accept_lengths
 
@@ -58,6 +82,7 @@ def test_per_layer_buffers_keep_their_shards():
     d = e2.init_draft(t, 1)
     tl = per_layer(t)
     assert set(tl.params["layers"]["mlp"]) == {"gate", "up", "down"}  # split over "model": not concatenated
+    assert layer_list.draft_like(d, tl) is d  # (nor the draft's)
     for a, b in (("mlp", "gate"), ("attn", "q"), ("attn", "o")):  # each buffer: the stack's shards, layer axis dropped
         stacked, one = t.params["layers"][a][b]["kernel"], tl.params["layers"][a][b]["kernel"][0]
         drop = lambda spec, n: tuple(spec) + (None,) * (n - len(spec))  # noqa: E731 (trailing Nones implied)
