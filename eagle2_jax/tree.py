@@ -113,15 +113,14 @@ def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:
     pnode = jnp.where(ppool < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(ppool, 0), axis=1))
     tokens = jnp.concatenate([root_B[:, None].astype(jnp.int32), toks], axis=1)
     parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), pnode], axis=1)
-    # ancestor closure by doubling: A = I | parent-of; after k squarings A covers paths of up to 2^k
-    # edges, and the tree is at most passes + 1 edges deep (a few small matmuls, not one gather per level)
-    eye = jnp.eye(N, dtype=bool)
-    parent_of = (parents[:, :, None] == jnp.arange(N)[None, None, :]) & (parents >= 0)[:, :, None]
-    anc = eye[None] | parent_of
-    reach = 1
-    while reach < tree.passes + 1:
-        hop = jnp.einsum("bij,bjk->bik", anc.astype(jnp.float32), anc.astype(jnp.float32))
-        anc = anc | (hop > 0)
-        reach *= 2
+    # ancestors by following parent pointers: the tree is at most passes + 1 edges deep, and each
+    # hop is a gather on [B, N] indices, so the whole mask is one small fused computation
+    ids = jnp.arange(N, dtype=jnp.int32)
+    anc = jnp.broadcast_to(jnp.eye(N, dtype=bool), (B, N, N))
+    up = parents
+    for hop in range(tree.passes + 1):
+        anc = anc | (up[:, :, None] == ids[None, None, :])  # (-1, above the root, matches no node)
+        if hop < tree.passes:
+            up = jnp.where(up < 0, -1, jnp.take_along_axis(parents, jnp.maximum(up, 0), axis=1))
     depths = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
     return Tree(tokens, parents, anc, depths)
