@@ -149,6 +149,19 @@ def test_batcher_is_deterministic():
     assert (seg == [1] * 5 + [2] * 5).all() and (pos == list(range(5)) * 2).all()
 
 
+def test_a_run_from_a_trained_head_takes_its_own_batch_order():
+    """Chained runs (each from the last one's head) must not replay the first batches every time;
+    a resumed run (the same starting head) keeps its order."""
+    head = {"fc": {"kernel": np.arange(12, dtype=np.float32).reshape(3, 4)}}
+    later = {"fc": {"kernel": np.arange(12, dtype=np.float32).reshape(3, 4) + 0.5}}
+    s = tdraft.data_order_seed(0, head)
+    assert s == tdraft.data_order_seed(0, head) and 0 <= s < 2**31
+    assert s != tdraft.data_order_seed(0, later) and s != tdraft.data_order_seed(1, head)
+    ex = [(np.arange(5), np.ones(5)) for _ in range(40)]
+    first = [tdraft.Batcher(ex, 4, 10, x).indices(0) for x in (s, tdraft.data_order_seed(0, later))]
+    assert first[0] != first[1]
+
+
 def test_batcher_packs_whole_examples_and_cuts_long_ones_into_pieces_at_their_positions():
     lengths = [3, 12, 7, 5, 2, 9]
     ex = [(np.arange(n) + 100 * i, np.arange(n) % 2) for i, n in enumerate(lengths)]

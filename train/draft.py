@@ -32,7 +32,9 @@ EAGLE-3 training does (the log's in_vocab: the share kept).
 With `init_from` (a head to continue from), that head is evaluated on the held-out examples before
 the first step (step 0 in the log), the baseline the run's later evaluations compare against. An
 EAGLE-3 head keeps its own draft vocabulary (its d2t): a `draft_vocab` count is ignored for it, and a
-draft_vocab.json with other tokens is refused.
+draft_vocab.json with other tokens is refused. Its batch order mixes `seed` with a fingerprint of
+that head's weights (`data_order_seed`): a chain of runs, each from the last one's export, would
+otherwise train the same first batches in every run (a fresh optimiser and warmup each time).
 `time_limit` (minutes, 0: none) ends training after that much wall time (the feature cache not
 counted) and exports the head as it is then, as if `steps` had been reached; a rerun resumes.
 """
@@ -45,6 +47,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 
 import numpy as np
 import yaml
@@ -103,6 +106,16 @@ def _bool(s: str) -> bool:
     if s.lower() in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
+
+
+def data_order_seed(seed: int, init_params) -> int:
+    """The batch order's seed for a run that starts from a trained head: `seed` mixed with a
+    fingerprint of that head's weights. Chained runs (each --init-from the last one's export) then
+    do not replay the batches every run began with; a resumed run starts from the same head and
+    keeps its order."""
+    import jax
+    first = np.ascontiguousarray(np.asarray(jax.tree_util.tree_leaves(init_params)[0]))
+    return (int(seed) + zlib.crc32(first.tobytes())) % 2**31
 
 
 class Batcher:
@@ -331,7 +344,8 @@ def main(argv=None):
     opt, sched = make_optimizer(cfg)
     opt_state = opt.init(draft.params)
     step_fn, eval_fn = build_step(target.module, draft.module, opt, cfg, fixed)
-    batcher = Batcher(train, cfg["batch_size"], cfg["seq_len"], cfg["seed"], example_len=cfg["example_len"])
+    order = cfg["seed"] if init is None else data_order_seed(cfg["seed"], init.params)
+    batcher = Batcher(train, cfg["batch_size"], cfg["seq_len"], order, example_len=cfg["example_len"])
     held = Batcher(heldout, min(cfg["batch_size"], len(heldout)), cfg["seq_len"], cfg["seed"], pack=False)
     print(f"{len(batcher)} packed sequences of {cfg['seq_len']} tokens per epoch")
 
