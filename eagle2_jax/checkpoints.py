@@ -469,10 +469,7 @@ def save_hf_dir(target: Target, directory: str) -> str:
             if "bias" in L["attn"][n]:
                 sd[pre + f"self_attn.{n}_proj.bias"] = L["attn"][n]["bias"].reshape(-1)
         sd[pre + "self_attn.o_proj.weight"] = L["attn"]["o"]["kernel"].reshape(-1, c.hidden_size).T
-        mlp = L["mlp"]
-        if "gate_up" in mlp:  # (per-layer buffers hold gate and up concatenated)
-            gate, up = np.split(mlp["gate_up"]["kernel"], 2, axis=-1)
-            mlp = {**mlp, "gate": {"kernel": gate}, "up": {"kernel": up}}
+        mlp = layer_list.split_gate_up(L["mlp"])  # (per-layer buffers hold gate and up concatenated)
         for n in ("gate", "up", "down"):
             sd[pre + f"mlp.{n}_proj.weight"] = mlp[n]["kernel"].T
     os.makedirs(directory, exist_ok=True)
