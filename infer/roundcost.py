@@ -67,7 +67,9 @@ def parse(argv=None):
     ap.add_argument("--out", default="runs/bench/roundcost")
     an = ap.add_argument_group("analytic (--analytic: cost analysis of the lowered programs, nothing runs)")
     an.add_argument("--analytic", action="store_true", help="report bytes / FLOPs / kernels and the roofline instead of timing")
-    an.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (with --max-new-tokens: the cache bucket)")
+    an.add_argument("--prompt-len", type=int, default=64,
+                    help="prompt tokens (with --max-new-tokens: the cache bucket); also when timing a random "
+                         "target (random token prompts of this length)")
     an.add_argument("--tau", type=float, default=4.5, help="tokens per round for the roofline speedup")
     from infer.analytic import ACCELERATORS, COMPILE_TARGETS
     an.add_argument("--accelerator", default="h200", choices=sorted(ACCELERATORS),
@@ -186,13 +188,14 @@ def _plain_step_ms(target, prompts, repeats, max_new=256):
                  lambda: (fresh_copy(st),), repeats)
 
 
-def load_prompts(target, path, n):
-    """The first n first-turn questions of `path`, chat-rendered (random tokens without a tokenizer)."""
+def load_prompts(target, path, n, random_len: int = 64):
+    """The first n first-turn questions of `path`, chat-rendered (random_len random tokens each
+    without a tokenizer)."""
     import numpy as np
     from infer.bench import DEFAULT_QUESTIONS, load_questions, render
     if target.tokenizer is None:
         rng = np.random.default_rng(0)
-        return [rng.integers(3, target.config.vocab_size, 64).tolist() for _ in range(n)]
+        return [rng.integers(3, target.config.vocab_size, random_len).tolist() for _ in range(n)]
     qs = load_questions(path or DEFAULT_QUESTIONS, None, None)
     qs = (qs * (n // max(len(qs), 1) + 1))[:n]
     return [render(target.tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in qs]
@@ -315,8 +318,8 @@ def main(argv=None):
     sizes = [int(x) for x in args.total_tokens.split(",")]
     rows = []
     for bsz in tqdm([int(x) for x in args.batch.split(",")], desc="batch sizes", unit="batch"):
-        prompts = load_prompts(target, args.questions, bsz)
-        calib = load_prompts(target, args.questions, max(bsz, args.calibration_prompts))
+        prompts = load_prompts(target, args.questions, bsz, args.prompt_len)
+        calib = load_prompts(target, args.questions, max(bsz, args.calibration_prompts), args.prompt_len)
         done = list(rows)
         rows += measure(target, draft, prompts, args.depth, args.top_k, sizes, args.repeats, args.max_new_tokens,
                         args.calibration_rounds, calib, args.parts,

@@ -7,7 +7,8 @@
 #                                  # random head with a 32K draft vocabulary): compile seconds, plain step and
 #                                  # round ms at N = 16, 32, 60 (per-layer weight buffers, the GPU default);
 #                                  # N = 60 with the layers scanned (EAGLE2_JAX_LAYERS=scan); N = 60 with the Pallas
-#                                  # attention kernel (EAGLE2_JAX_ATTENTION=pallas) and the kernel's tests
+#                                  # attention kernel (EAGLE2_JAX_ATTENTION=pallas) and the kernel's tests; with the
+#                                  # time left of 9 minutes, N = 60 at a 4,000-token prompt, Pallas then XLA attention
 #   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head, reference tree 5/10/60: infer.bench on
 #                                  # the first 20 MT-bench first turns (plain vs EAGLE-2, tau, greedy identity)
 #
@@ -76,6 +77,18 @@ if [ "$PHASE" = a ]; then
     --depth 5 --top-k 10 --total-tokens 60 --parts round --repeats 10 --calibration-rounds 1 --calibration-prompts 1 \
     --out /tmp/res/rc8b_pallas 2>&1 | grep -v "batch sizes"
   cp /tmp/res/rc8b_pallas/roundcost.json "$OUT/rc8b_pallas.json" 2>/dev/null
+  # what is left of the call's 9 minutes: a 4,000-token prompt (6,144-slot cache), where the Pallas kernel
+  # splits each (row, KV head) cache walk over 12 programs (flash-decoding) and the XLA attention's
+  # float32 scores outgrow the L2
+  for att in pallas xla; do
+    left=$(( 540 - SECONDS ))
+    if [ $left -lt 60 ]; then stamp "skipped: 4K context with $att attention (${left}s left)"; continue; fi
+    stamp "round cost at a 4,000-token prompt, N = 60, $att attention (timeout ${left}s)"
+    EAGLE2_JAX_ATTENTION=$att timeout $left python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 \
+      --prompt-len 4000 --depth 5 --top-k 10 --total-tokens 60 --parts round --repeats 10 --calibration-rounds 1 \
+      --calibration-prompts 1 --out /tmp/res/rc8b_4k_$att 2>&1 | grep -v "batch sizes"
+    cp /tmp/res/rc8b_4k_$att/roundcost.json "$OUT/rc8b_4k_$att.json" 2>/dev/null
+  done
   stamp "done a"
 else
   if [ ! -f /tmp/model/a.part ]; then echo "no /tmp/model/a.part: the machine was not the one call a ran on"; exit 3; fi

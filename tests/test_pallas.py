@@ -9,7 +9,7 @@ import pytest
 import eagle2_jax as e2
 from eagle2_jax import pallas
 from eagle2_jax.ops import attend_xla
-from eagle2_jax.pallas.attention import live_blocks, tree_attention
+from eagle2_jax.pallas.attention import live_blocks, split_count, tree_attention
 from helpers import tiny_config
 
 # the kernel as this machine runs it: interpret mode on a CPU, Triton / Mosaic on a GPU / TPU
@@ -37,23 +37,34 @@ def _inputs(rng, B, T, H, K, S, Dh, dtype, lengths, scratch=0):
 def test_kernel_equals_xla_attention(B, T, H, K, S, Dh, lengths, scratch):
     args = _inputs(np.random.default_rng(S + T), B, T, H, K, S, Dh, jnp.float32, lengths, scratch)
     want = attend_xla(*args, slot_major=False)
-    for block in (16, 128):
-        got = tree_attention(*args, block=block, backend=BACKEND)
+    for block, splits in ((16, 1), (128, 1), (16, 3), (16, 5)):  # the walk whole, or split (flash-decoding)
+        got = tree_attention(*args, block=block, backend=BACKEND, splits=splits)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
     if S:  # the cache alone (a forward that wrote its keys/values first): the new block moved into it
         one = (args[0], jnp.concatenate([args[1], args[4]], 2), jnp.concatenate([args[2], args[5]], 2),
                jnp.concatenate([args[3], args[6]], 2))
-        got = tree_attention(*one, block=16, backend=BACKEND)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
+        for splits in (1, 2):
+            got = tree_attention(*one, block=16, backend=BACKEND, splits=splits)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
 
 
 def test_kernel_bfloat16_and_live_blocks():
     args = _inputs(np.random.default_rng(0), 2, 6, 4, 2, 256, 32, jnp.bfloat16, [100, 3], 4)
     want = np.asarray(attend_xla(*args, slot_major=False), np.float32)
-    got = np.asarray(tree_attention(*args, block=32, backend=BACKEND), np.float32)
-    np.testing.assert_allclose(got, want, atol=1.6e-2, rtol=1.6e-2)  # bf16 output rounding
+    for splits in (1, 4):
+        got = np.asarray(tree_attention(*args, block=32, backend=BACKEND, splits=splits), np.float32)
+        np.testing.assert_allclose(got, want, atol=1.6e-2, rtol=1.6e-2)  # bf16 output rounding
     # the walk stops at the last slot any query may see: committed + the scratch in use
     assert live_blocks(args[3], 32).tolist() == [int(np.ceil((args[3][0].any(0).nonzero()[0].max() + 1) / 32)), 1]
+
+
+def test_split_count():
+    """GPU: about one program per SM; a TPU core runs the grid in sequence and keeps one walk."""
+    assert split_count(1, 8, 48, "gpu") == 12  # 8B verify, batch 1, a 6,144-slot (4K) bucket
+    assert split_count(1, 8, 3, "gpu") == 1    # a 384-slot bucket: 3 blocks, nothing to split
+    assert split_count(4, 8, 48, "gpu") == 4
+    assert split_count(16, 8, 48, "gpu") == 1  # 128 programs already
+    assert split_count(1, 8, 48, "tpu") == 1
 
 
 @pytest.mark.parametrize("arch", ["eagle", "eagle3"])
@@ -81,12 +92,13 @@ def test_kernel_per_shard():
     assert e2.generate(tk, dk, prompts, max_new_tokens=10, tree=e2.TreeConfig(2, 2, 4)).tokens == plain
 
 
-@pytest.mark.parametrize("backend,platform", [("gpu", "cuda"), ("tpu", "tpu")])
-def test_kernel_lowers_for_gpu_and_tpu(backend, platform):
-    """Triton / Mosaic lowering runs here (compiling needs the device): the 8B verify shape."""
+@pytest.mark.parametrize("backend,platform,S", [("gpu", "cuda", 384), ("gpu", "cuda", 6144), ("tpu", "tpu", 384)])
+def test_kernel_lowers_for_gpu_and_tpu(backend, platform, S):
+    """Triton / Mosaic lowering runs here (compiling needs the device): the 8B verify shape, at a
+    6,144-slot cache with the walk split in 12."""
     from jax import export
     sd = jax.ShapeDtypeStruct
-    B, T, H, K, S, Dh, dt = 1, 60, 32, 8, 384, 128, jnp.bfloat16
+    B, T, H, K, Dh, dt = 1, 60, 32, 8, 128, jnp.bfloat16
     shapes = (sd((B, T, H, Dh), dt), sd((B, K, S, Dh), dt), sd((B, K, S, Dh), dt), sd((B, T, S), bool),
               sd((B, K, T, Dh), dt), sd((B, K, T, Dh), dt), sd((B, T, T), bool))
     f = jax.jit(lambda *a: tree_attention(*a, backend=backend))
