@@ -75,9 +75,8 @@ def _kernel(nblocks_ref, q_ref, k_ref, v_ref, mask_ref, *refs, G, block, splits)
         carry = lax.fori_loop(lo, hi, body, carry)
         if new_refs:  # the call's own keys: in the last part
             kn_ref, vn_ref, maskn_ref = new_refs
-            with_new = update(q, carry, kn_ref[...], vn_ref[...], maskn_ref[...] != 0)
-            carry = with_new if splits == 1 else tuple(
-                jnp.where(part == splits - 1, a, b) for a, b in zip(with_new, carry))
+            with_new = lambda c, q=q: update(q, c, kn_ref[...], vn_ref[...], maskn_ref[...] != 0)  # noqa: E731
+            carry = with_new(carry) if splits == 1 else lax.cond(part == splits - 1, with_new, lambda c: c, carry)
         top, total, acc = carry
         if splits == 1:
             out_refs[0][g] = (acc / total[:, None]).astype(out_refs[0].dtype)
