@@ -128,3 +128,16 @@ def test_long_calls_keep_the_xla_attention():
     text = str(jax.make_jaxpr(ops.attend)(*args))
     assert "pallas_call" not in text
     assert "pallas_call" in str(jax.make_jaxpr(pallas.PallasOps(backend="interpret", max_new=8).attend)(*args))
+
+
+def test_ops_split_walks_by_rule_or_as_asked():
+    """PallasOps splits a long cache walk as `split_count` says (here 2 parts: 8 blocks, 2 heads), or
+    as many times as its `splits` field asks (1: one walk, for A/B timing on a device)."""
+    import re
+    sd = jax.ShapeDtypeStruct
+    args = (sd((1, 4, 4, 16), jnp.float32), sd((1, 2, 1024, 16), jnp.float32), sd((1, 2, 1024, 16), jnp.float32),
+            sd((1, 4, 1024), bool))
+    grid = lambda ops: re.search(r"GridMapping\(grid=\(([\d, ]+)\)", str(jax.make_jaxpr(ops.attend)(*args))).group(1)  # noqa: E731
+    assert grid(pallas.PallasOps(backend="interpret")) == "1, 2, 2"
+    assert grid(pallas.PallasOps(backend="interpret", splits=1)) == "1, 2"
+    assert grid(pallas.PallasOps(backend="interpret", splits=5)) == "1, 2, 5"

@@ -35,6 +35,7 @@ class PallasOps(core_ops.Ops):
     name: str = "pallas"
     backend: str = "interpret"  # gpu (Triton) | tpu (Mosaic) | interpret
     block: int = 128  # cache slots per kernel step
+    splits: Optional[int] = None  # programs per (row, KV head) cache walk; None: attention.split_count
     mesh: Optional[Any] = None  # run the kernel per shard of this mesh
 
     max_new: int = 128  # calls with more new tokens (prefill) keep the XLA attention
@@ -43,7 +44,7 @@ class PallasOps(core_ops.Ops):
         args = (q_BTHD, k_BKSD, v_BKSD, mask_BTS) + (() if k_new_BKTD is None else (k_new_BKTD, v_new_BKTD, mask_new_BTT))
         if q_BTHD.shape[1] > self.max_new:  # the kernel holds the new tokens' [T, T] block whole
             return core_ops.attend_xla(*args, slot_major=self.slot_major_scores)
-        run = lambda *a: tree_attention(*a, block=self.block, backend=self.backend)  # noqa: E731
+        run = lambda *a: tree_attention(*a, block=self.block, backend=self.backend, splits=self.splits)  # noqa: E731
         if self.mesh is None or self.mesh.size == 1:
             return run(*args)
         from jax.sharding import PartitionSpec as P
