@@ -3,6 +3,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -402,6 +403,35 @@ def test_eagle3_training_lowers_loss_resumes_and_exports_the_published_layout(ti
     assert [r["step"] for r in _log(root, "e3cont") if "loss" in r] == [1]
     c = load_draft(str(root / "e3c"), t)
     np.testing.assert_array_equal(np.asarray(c.params["d2t"]), np.asarray(d.params["d2t"]))
+    # a larger count grows the vocabulary (its own tokens kept, more frequent ones added)
+    tdraft.main(_args(root, tdir, data, "e3grow", 50, cont + ["--draft-vocab", "48", "--time-limit", "1e-6",
+                                                              "--export", str(root / "e3g")]))
+    g = load_draft(str(root / "e3g"), t)
+    grown = np.arange(g.draft_vocab_size) + np.asarray(g.params["d2t"])
+    assert g.draft_vocab_size == 48 and set(np.sort(vocab).tolist()) < set(grown.tolist())
+    assert generate(t, g, prompts, max_new_tokens=16).tokens == generate_vanilla(t, prompts, max_new_tokens=16).tokens
+
+
+def test_growing_an_eagle3_vocabulary_keeps_trained_columns_and_adds_the_targets():
+    from eagle2_jax import TreeConfig, generate, generate_vanilla, init_draft, init_target
+    from helpers import tiny_config
+    t = init_target(tiny_config(), 0)
+    own = np.array([3, 5, 17, 40])
+    d = init_draft(t, 1, arch="eagle3", draft_vocab_size=len(own))
+    d.params = {**d.params, "d2t": jnp.asarray(own - np.arange(4), jnp.int32)}
+    ex = lambda *toks: (np.array(toks), np.ones(len(toks), np.uint8))  # noqa: E731
+    train = [ex(7, 7, 7, 5, 5, 9), ex(7, 7, 5, 5, 9, 9, 11)]  # 7 x5, 5 x4 (kept already), 9 x3, 11 x1
+    g, vocab = tdraft.grow_eagle3_vocab(d, t, train, 6)
+    assert vocab.tolist() == [3, 5, 7, 9, 17, 40] and g.draft_vocab_size == 6
+    np.testing.assert_array_equal(np.arange(6) + np.asarray(g.params["d2t"]), vocab)
+    old, new, w = np.asarray(d.params["lm_head"]), np.asarray(g.params["lm_head"]), np.asarray(t.params["lm_head"])
+    np.testing.assert_array_equal(new[:, [0, 1, 4, 5]], old)
+    scale = np.linalg.norm(old, axis=0).mean() / np.linalg.norm(w[:, own], axis=0).mean()
+    np.testing.assert_allclose(new[:, [2, 3]], w[:, [7, 9]] * scale, rtol=1e-6)
+    assert {k for k in g.params} == {k for k in d.params}
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    plain = generate_vanilla(t, prompts, max_new_tokens=12).tokens
+    assert generate(t, g, prompts, max_new_tokens=12, tree=TreeConfig(3, 3, 6)).tokens == plain
 
 
 def test_eagle3_head_starts_from_the_targets_head():

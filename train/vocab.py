@@ -15,12 +15,18 @@ import json
 import numpy as np
 
 
-def frequent_tokens(examples, size: int, always=()) -> np.ndarray:
+def ranked_tokens(examples) -> np.ndarray:
+    """The assistant tokens of `examples`, most frequent first (ties: lower id first)."""
     toks = np.concatenate([t[m == 1] for t, m in examples]) if examples else np.zeros(0, np.int64)
     counts = np.bincount(toks.astype(np.int64)) if toks.size else np.zeros(1, np.int64)
     order = np.argsort(-counts, kind="stable")
-    chosen = [int(i) for i in order[:size] if counts[i] > 0]
-    return np.unique(np.asarray(chosen + [int(a) for a in always], np.int64))
+    return order[counts[order] > 0]
+
+
+def frequent_tokens(examples, size: int, always=()) -> np.ndarray:
+    """The `size` most frequent assistant tokens plus `always`, ascending ids."""
+    chosen = ranked_tokens(examples)[:size]
+    return np.unique(np.concatenate([chosen, np.asarray(always, np.int64)]).astype(np.int64))
 
 
 def main(argv=None):
