@@ -412,22 +412,27 @@ def test_eagle3_training_lowers_loss_resumes_and_exports_the_published_layout(ti
     assert generate(t, g, prompts, max_new_tokens=16).tokens == generate_vanilla(t, prompts, max_new_tokens=16).tokens
 
 
-def test_growing_an_eagle3_vocabulary_keeps_trained_columns_and_adds_the_targets():
+def test_growing_an_eagle3_vocabulary_keeps_trained_columns_and_maps_the_targets():
+    """Kept tokens keep their columns; a head whose columns are a linear map of the target's gets the
+    same map of the target's columns for the new tokens; generation stays lossless."""
     from eagle2_jax import TreeConfig, generate, generate_vanilla, init_draft, init_target
     from helpers import tiny_config
-    t = init_target(tiny_config(), 0)
-    own = np.array([3, 5, 17, 40])
+    t = init_target(tiny_config(), 0)  # hidden 32, vocabulary 64
+    own = np.r_[0:38, 45, 60]  # 40 tokens, more than the hidden size: the map is determined
     d = init_draft(t, 1, arch="eagle3", draft_vocab_size=len(own))
-    d.params = {**d.params, "d2t": jnp.asarray(own - np.arange(4), jnp.int32)}
+    w = np.asarray(t.params["lm_head"], np.float32)  # [D, V]
+    m = np.random.default_rng(0).standard_normal((32, 32)).astype(np.float32) / 6
+    d.params = {**d.params, "d2t": jnp.asarray(own - np.arange(len(own)), jnp.int32),
+                "lm_head": jnp.asarray(m @ w[:, own])}
     ex = lambda *toks: (np.array(toks), np.ones(len(toks), np.uint8))  # noqa: E731
-    train = [ex(7, 7, 7, 5, 5, 9), ex(7, 7, 5, 5, 9, 9, 11)]  # 7 x5, 5 x4 (kept already), 9 x3, 11 x1
-    g, vocab = tdraft.grow_eagle3_vocab(d, t, train, 6)
-    assert vocab.tolist() == [3, 5, 7, 9, 17, 40] and g.draft_vocab_size == 6
-    np.testing.assert_array_equal(np.arange(6) + np.asarray(g.params["d2t"]), vocab)
-    old, new, w = np.asarray(d.params["lm_head"]), np.asarray(g.params["lm_head"]), np.asarray(t.params["lm_head"])
-    np.testing.assert_array_equal(new[:, [0, 1, 4, 5]], old)
-    scale = np.linalg.norm(old, axis=0).mean() / np.linalg.norm(w[:, own], axis=0).mean()
-    np.testing.assert_allclose(new[:, [2, 3]], w[:, [7, 9]] * scale, rtol=1e-6)
+    train = [ex(50, 50, 50, 5, 5, 52), ex(50, 50, 5, 5, 52, 52, 41)]  # 50 x5, 5 x4 (kept already), 52 x3, 41 x1
+    g, vocab = tdraft.grow_eagle3_vocab(d, t, train, 42)
+    assert vocab.tolist() == sorted(own.tolist() + [50, 52]) and g.draft_vocab_size == 42
+    np.testing.assert_array_equal(np.arange(42) + np.asarray(g.params["d2t"]), vocab)
+    new = np.asarray(g.params["lm_head"])
+    at = {int(tok): i for i, tok in enumerate(vocab)}
+    np.testing.assert_array_equal(new[:, [at[int(tok)] for tok in own]], np.asarray(d.params["lm_head"]))
+    np.testing.assert_allclose(new[:, [at[50], at[52]]], m @ w[:, [50, 52]], atol=1e-4)
     assert {k for k in g.params} == {k for k in d.params}
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     plain = generate_vanilla(t, prompts, max_new_tokens=12).tokens
