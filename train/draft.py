@@ -197,14 +197,19 @@ def make_optimizer(cfg):
                        optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg["weight_decay"])), sched
 
 
+def target_lm_head(target):
+    """The target's LM head as [D, V] (the embedding's transpose when tied)."""
+    tp = target.params
+    return target.ops.weight(tp["embed"]).T if target.config.tie_word_embeddings else target.ops.weight(tp["lm_head"])
+
+
 def eagle3_head_from_target(target, vocab, params) -> dict:
     """An EAGLE-3 head's final norm and LM head [D, Vd] copied from the target's (final norm, LM head
     columns of the draft vocabulary, ascending ids): the head starts out ranking tokens the way the
     target would from a feature like its own last one, instead of from random rows."""
     import jax.numpy as jnp
     tp = target.params
-    w = target.ops.weight(tp["embed"]).T if target.config.tie_word_embeddings else target.ops.weight(tp["lm_head"])
-    lm = jnp.take(jnp.asarray(w), jnp.asarray(vocab), axis=1).astype(params["lm_head"].dtype)
+    lm = jnp.take(jnp.asarray(target_lm_head(target)), jnp.asarray(vocab), axis=1).astype(params["lm_head"].dtype)
     # a copy: training donates the head's params, which must not free the target's buffer
     scale = jnp.array(target.ops.weight(tp["norm"]["scale"]), params["norm"]["scale"].dtype, copy=True)
     return {"lm_head": lm, "norm": {"scale": scale}}
@@ -293,9 +298,7 @@ def grow_eagle3_vocab(init, target, train, size: int):
     have = set(own.tolist())
     new = np.asarray([t for t in ranked_tokens(train).tolist() if t not in have][:size - len(own)], np.int64)
     vocab = np.sort(np.concatenate([own, new]))
-    tp = target.params
-    w = np.asarray(target.ops.weight(tp["embed"]).T if target.config.tie_word_embeddings
-                   else target.ops.weight(tp["lm_head"]), np.float32)  # [D, V]
+    w = np.asarray(target_lm_head(target), np.float32)  # [D, V]
     head = np.asarray(init.params["lm_head"], np.float32)  # [D, Vd], column i ranks own[i]
     m_DD = np.linalg.lstsq(w[:, own].T, head.T, rcond=None)[0]  # head.T ~ w[:, own].T @ m_DD
     column = {int(t): i for i, t in enumerate(own)}
