@@ -62,6 +62,16 @@ class Draft:
     aux_layers: tuple = ()  # EAGLE-3: the target layers feeding fc
 
     @property
+    def proposal_vocab_size(self) -> int | None:
+        """How many tokens the head can propose: its draft vocabulary (EAGLE-3 LM head rows, or a
+        reduced `vocab_head`), None where it drafts over the target's whole vocabulary."""
+        if self.arch == "eagle3":
+            return self.draft_vocab_size
+        if isinstance(self.params, dict) and "vocab_head" in self.params:
+            return int(self.params["vocab_head"]["ids"].shape[0])
+        return None
+
+    @property
     def module(self):
         if self.arch == "eagle3":
             from .eagle3 import Eagle3Draft

@@ -206,6 +206,8 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     sampling = SamplingConfig(temperature, top_k, top_p)
     if tree.top_k > target.config.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({target.config.vocab_size})")
+    if draft.proposal_vocab_size is not None and tree.top_k > draft.proposal_vocab_size:
+        raise ValueError(f"tree top_k {tree.top_k} exceeds the draft head's vocabulary ({draft.proposal_vocab_size})")
     if (target.abstract or is_abstract(draft.params)) and not compile_only:
         raise ValueError("this target or draft has abstract params (shapes only): use compile_only=True")
     b, args, static = _program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)

@@ -225,6 +225,10 @@ def test_wrong_files_fail_with_one_line_errors(tmp_path):
     with pytest.raises(CheckpointError, match="missing tensor"):
         e2.load_draft(write_head(tmp_path / "e", {k: v for k, v in sd.items() if k != "norm.weight"},
                                  published_config()), target)
+    small = e2.load_draft(write_head(tmp_path / "f", published_head(rng, vd=4), published_config(vd=4)), target)
+    with pytest.raises(ValueError, match="top_k 5 exceeds the draft head's vocabulary \\(4\\)") as e:
+        e2.generate(target, small, [[1, 2, 3]], max_new_tokens=4, tree=e2.TreeConfig(depth=2, top_k=5, total_tokens=8))
+    assert "\n" not in str(e.value)
 
 
 def test_eagle2_export_holds_the_embedding_for_the_strict_loader(tmp_path):
