@@ -7,7 +7,10 @@ One process, one machine. Multi-turn questions continue the conversation with th
 answers. Compile time is excluded from tokens/s and reported apart (our programs are compiled
 ahead of time per shape bucket). Speedup = EAGLE-2 tokens/s / plain tokens/s; at temperature 0 the
 EAGLE-2 output is checked token for token against plain decoding. Writes results.json,
-results.md and results.png under --out.
+results.md and results.png under --out, rewritten after every batch of questions; `--resume` keeps
+the batches already there and runs the rest, so a long run survives an interruption:
+
+    python -m infer.bench --limit 80 --batch 16 --methods eagle --out runs/bench/mt80 --resume
 """
 from __future__ import annotations
 
@@ -59,6 +62,10 @@ def parse(argv=None):
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
                          "on XLA:CPU here")
     ap.add_argument("--out", default="runs/bench", help="output directory")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the batches of questions already answered in --out/results.json (same settings; "
+                         "a larger --limit extends the run) and answer only the rest. tokens/s then sums the "
+                         "runs' seconds, so compare speeds within one uninterrupted run; tau is unaffected")
     return ap.parse_args(argv)
 
 
@@ -66,6 +73,8 @@ def load_questions(path, limit, categories):
     if not os.path.exists(path):
         sys.exit(f"error: question file not found: {path}")
     qs = [json.loads(line) for line in open(path) if line.strip()]
+    for i, q in enumerate(qs):
+        q.setdefault("question_id", i)  # (rows and --resume key answers by it)
     if categories:
         qs = [q for q in qs if q.get("category") in categories]
     return qs[:limit] if limit else qs
@@ -182,13 +191,22 @@ def main(argv=None):
         t0 = time.perf_counter()
         getattr(r, "warm", r)([render(tok, [{"role": "user", "content": "Hello!"}])] * args.batch)
         warm[m] = time.perf_counter() - t0
-    rows = []
     groups = [questions[i:i + args.batch] for i in range(0, len(questions), args.batch)]
+    done = set()
+    rows = []
+    if args.resume:
+        try:
+            rows, done = resumed(args.out, settings(args, runners, tree), groups)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     hf_groups = len(groups) if args.hf_limit is None else -(-args.hf_limit // args.batch)
     n_hf = sum(m.startswith("hf") for m in runners)
     total = len(questions) * (len(runners) - n_hf) + min(len(questions), hf_groups * args.batch) * n_hf
     bar = tqdm(total=total, unit="answer", desc="bench", dynamic_ncols=True)
     for g, group in enumerate(groups):
+        if g in done:
+            bar.update(sum(len(group) if not m.startswith("hf") or g < hf_groups else 0 for m in runners))
+            continue
         convs = {m: [[] for _ in group] for m in runners}
         n_turns = 1 if args.batch > 1 else args.turns
         for turn in range(n_turns):
@@ -217,8 +235,44 @@ def main(argv=None):
     print(markdown(summary))
 
 
+def settings(args, runners, tree):
+    """What the answers depend on, recorded in results.json; a resumed run must match it."""
+    return {"questions": os.path.abspath(args.questions), "categories": args.categories, "turns": args.turns,
+            "methods": sorted(runners), "hf_limit": args.hf_limit, "model": args.model, "draft": args.draft,
+            "tree": tree.__dict__ if tree else None, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "seed": args.seed, "batch": args.batch, "attention": args.attention,
+            "dtype": args.dtype, "packed": args.packed, "full_draft_vocab": args.full_draft_vocab,
+            "draft_dtype": args.draft_dtype}
+
+
+def resumed(out, now, groups):
+    """(rows, indices of done groups) from an earlier run's results.json in `out`: a group is done when
+    every method answered every one of its questions; the rows of other groups are dropped (they are
+    answered again, in the same batch as now)."""
+    path = os.path.join(out, "results.json")
+    if not os.path.exists(path):
+        return [], set()
+    with open(path) as f:
+        old = json.load(f)
+    before = old["summary"].get("settings")
+    now = json.loads(json.dumps(now))  # (as it would read back: lists for tuples)
+    if before != now:
+        diff = sorted(k for k in set(now) | set(before or {}) if (before or {}).get(k) != now.get(k))
+        raise ValueError(f"{path} was written with other settings ({', '.join(diff) or 'none recorded'}): "
+                         "use another --out, or drop --resume to overwrite it")
+    answered = collections.defaultdict(set)
+    for r in old["rows"]:
+        answered[r["method"]].add(r["question_id"])
+    methods = [m for m in now["methods"] if not m.startswith("hf")] or now["methods"]
+    done = {g for g, group in enumerate(groups)
+            if all(q["question_id"] in answered[m] for m in methods for q in group)}
+    keep = {q["question_id"] for g in done for q in groups[g]}
+    return [r for r in old["rows"] if r["question_id"] in keep], done
+
+
 def _summary(rows, runners, args, tree, warm, target):
     summary = summarize(rows, runners, args, tree, warm)
+    summary["settings"] = settings(args, runners, tree)
     module = getattr(target, "module", None)  # (test doubles have none)
     summary["cpu_kernels"] = getattr(getattr(module, "ops", None), "name", "") == "cpu"  # eagle2_jax.cpu in use
     return summary

@@ -12,7 +12,7 @@ EVAL=../shared/data/eval
 B=runs/bench/$V
 RUN_TAIL=8
 source scripts/run_step.sh  # run NAME CMD...
-REF="--depth 5 --top-k 10 --total-tokens 60 --max-new-tokens 256 --batch 16"
+REF="--depth 5 --top-k 10 --total-tokens 60 --max-new-tokens 256 --batch 16 --resume"  # (tau: an interrupted step continues)
 # acceptance, T = 0: both heads on the same questions (plain decoding beside the EAGLE-3 head: greedy identity)
 run $V/tau_mt_bench_t0_e3 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit $N --methods plain,eagle \
     --draft $E3 $REF --out $B/tau_mt_bench_t0_e3

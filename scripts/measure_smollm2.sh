@@ -14,9 +14,9 @@ V=${1:-v7}  # results go to runs/bench/$V (v2: head of 240d81e, v3: rollout-trai
             # batch16 and speed_mt_bench_t1 only; v12: one-uniform sampling, speed_mt_bench_t1 and
             # speed_mt_bench80_t1 (run by hand as runs/bench/v12/t1_first10, t1_all80))
 B=runs/bench/$V
-# acceptance (timing-independent): reference tree; all 80 MT-bench first turns first
+# acceptance (timing-independent, so --resume continues an interrupted step): reference tree; all 80 MT-bench first turns first
 run $V/tau_mt_bench_t0 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 80 --methods eagle --batch 16 \
-    --max-new-tokens 256 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_mt_bench_t0
+    --max-new-tokens 256 --depth 5 --top-k 10 --total-tokens 60 --resume --out $B/tau_mt_bench_t0
 # speed at batch 1 (tree from the head's tree.json), against transformers
 run $V/speed_mt_bench python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 20 --methods plain,eagle,hf \
     --max-new-tokens 256 --out $B/speed_mt_bench
@@ -24,10 +24,10 @@ run $V/speed_mt_bench80 python -m infer.bench --questions $EVAL/mt_bench.jsonl -
     --max-new-tokens 256 --out $B/speed_mt_bench80
 for q in humaneval gsm8k alpaca; do
   run $V/tau_${q}_t0 python -m infer.bench --questions $EVAL/$q.jsonl --limit 16 --methods eagle --batch 16 \
-      --max-new-tokens 256 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_${q}_t0
+      --max-new-tokens 256 --depth 5 --top-k 10 --total-tokens 60 --resume --out $B/tau_${q}_t0
 done
 run $V/tau_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 16 --methods eagle --batch 16 \
-    --max-new-tokens 256 --temperature 1.0 --depth 5 --top-k 10 --total-tokens 60 --out $B/tau_mt_bench_t1
+    --max-new-tokens 256 --temperature 1.0 --depth 5 --top-k 10 --total-tokens 60 --resume --out $B/tau_mt_bench_t1
 run $V/speed_mt_bench_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 10 --methods plain,eagle \
     --max-new-tokens 256 --temperature 1.0 --out $B/speed_mt_bench_t1
 run $V/speed_mt_bench80_t1 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 80 --methods plain,eagle \

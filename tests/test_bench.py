@@ -104,3 +104,53 @@ def test_compile_cache_directory_and_switch(monkeypatch, tmp_path):
     finally:
         jax.config.update("jax_compilation_cache_dir", old_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", old_min)
+
+
+class CountingRunner(FakeRunner):
+    """FakeRunner that records every prompt it answers, and fails on demand after some calls."""
+    calls = []
+    fail_after = None
+
+    def __call__(self, prompts):
+        if CountingRunner.fail_after is not None and len(CountingRunner.calls) >= CountingRunner.fail_after:
+            raise KeyboardInterrupt  # the run is stopped part-way
+        CountingRunner.calls.append((self.name, tuple(prompts)))
+        return super().__call__(prompts)
+
+
+def test_resume_answers_only_the_missing_batches(tmp_path, monkeypatch):
+    import pytest
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [f"question {i}"]}) + "\n"
+                         for i in range(7)))
+    target = types.SimpleNamespace(tokenizer=FakeTokenizer())
+    monkeypatch.setattr(eagle2_jax, "load_target", lambda *a, **k: target)
+    monkeypatch.setattr(eagle2_jax, "load_draft", lambda *a, **k: None)
+    monkeypatch.setattr(bench, "Ours", CountingRunner)
+    import infer.generate
+    monkeypatch.setattr(infer.generate, "tree_for", lambda *a: eagle2_jax.TreeConfig(2, 2, 4))
+    monkeypatch.setattr(CountingRunner, "warm", lambda self, p: None, raising=False)
+    common = ["--questions", str(q), "--methods", "plain,eagle", "--batch", "2"]
+
+    whole = tmp_path / "whole"
+    bench.main(common + ["--out", str(whole)])
+    expected = json.load(open(whole / "results.json"))
+
+    part = tmp_path / "part"
+    CountingRunner.calls = []
+    bench.main(common + ["--limit", "3", "--out", str(part)])  # batches {0, 1} and {2}
+    CountingRunner.calls, CountingRunner.fail_after = [], 2  # then one more batch before it is stopped
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(common + ["--out", str(part), "--resume"])
+    assert [c[0] for c in CountingRunner.calls] == ["plain", "eagle"]  # only the batch {2, 3}, not {0, 1}
+    CountingRunner.calls, CountingRunner.fail_after = [], None
+    bench.main(common + ["--out", str(part), "--resume"])
+    assert len(CountingRunner.calls) == 4  # batches {4, 5} and {6}, each by both methods
+    got = json.load(open(part / "results.json"))
+    key = lambda r: (r["method"], r["question_id"])
+    assert sorted(map(key, got["rows"])) == sorted(map(key, expected["rows"]))  # no answer twice or missing
+    assert sorted(got["rows"], key=key) == sorted(expected["rows"], key=key)
+    assert got["summary"]["methods"] == expected["summary"]["methods"]
+
+    with pytest.raises(SystemExit, match="other settings.*temperature"):
+        bench.main(common + ["--out", str(part), "--resume", "--temperature", "1"])
