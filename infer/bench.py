@@ -289,6 +289,11 @@ def summarize(rows, runners, args, tree, warm):
         taus = [r["tau"] for r in rs if r["tau"] is not None]
         if taus:
             d["tau"] = sum(r["new_tokens"] for r in rs) / max(1, sum(r["rounds"] for r in rs))
+            by_cat = collections.defaultdict(lambda: [0, 0])  # category: [new tokens, rounds]
+            for r in rs:
+                by_cat[r["category"]][0] += r["new_tokens"]
+                by_cat[r["category"]][1] += r["rounds"] or 0
+            d["per_category_tau"] = {c: t / n for c, (t, n) in by_cat.items() if n}
         cats = collections.defaultdict(lambda: [0, 0.0])
         for r in rs:
             cats[r["category"]][0] += r["new_tokens"]

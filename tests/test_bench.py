@@ -49,6 +49,8 @@ def test_batch_costs_are_counted_once_per_batch(tmp_path, monkeypatch):
         assert abs(d["seconds"] - 4.0) < 1e-9  # two batches of 2 s
         assert abs(d["compile_s"] - 20.0) < 1e-9  # two batches of 10 s, not 10 s per answer
     assert abs(s["methods"]["eagle"]["tau"] - 1.5) < 1e-9  # 12 tokens in 8 rounds
+    assert s["methods"]["eagle"]["per_category_tau"] == {"c0": 1.5, "c1": 1.5}
+    assert "per_category_tau" not in s["methods"]["plain"]
     assert s["greedy_identical"] is True
     assert abs(s["speedup_eagle_vs_plain"] - 1.0) < 1e-9
     assert (out / "results.md").exists() and (out / "results.png").exists()
