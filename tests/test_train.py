@@ -481,3 +481,30 @@ def test_eagle3_vocab_mask_drops_positions_whose_target_token_is_outside_the_dra
     np.testing.assert_allclose(float(masked["in_vocab"]), keep[np.asarray(mask)[:, 1:] > 0].mean(), rtol=1e-6)
     with pytest.raises(SystemExit, match="needs a draft vocabulary"):
         tdraft.load_config(["--data", "d", "--out", "o", "--vocab-mask", "true"])
+
+
+def test_eagle3_aux_layers_are_chosen_and_re_pointed(tiny_run):
+    """--aux-layers: a fresh EAGLE-3 head reads the layers asked for; continuing a head with other
+    layers keeps its weights and reads the new ones; the export records them; bad specs fail in one line."""
+    root, tdir, data = tiny_run
+    from eagle2_jax import generate, generate_vanilla, load_target
+    t = load_target(tdir)
+    base = ["--arch", "eagle3", "--draft-vocab", "40", "--time-limit", "1e-6"]
+    tdraft.main(_args(root, tdir, data, "aux_a", 5, base + ["--aux-layers", "1,1,0", "--export", str(root / "aux_a_x")]))
+    a = load_draft(str(root / "aux_a_x"), t)
+    assert a.aux_layers == (1, 1, 0)
+    assert json.load(open(root / "aux_a_x" / "config.json"))["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    # continued with other layers, learning rate 0: the same weights, now reading layers 0, 1, 1
+    tdraft.main(_args(root, tdir, data, "aux_b", 5, ["--arch", "eagle3", "--time-limit", "1e-6", "--lr", "0",
+                                                     "--init-from", str(root / "aux_a_x"), "--aux-layers", "0,1,1",
+                                                     "--export", str(root / "aux_b_x")]))
+    b = load_draft(str(root / "aux_b_x"), t)
+    assert b.aux_layers == (0, 1, 1)
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    prompts = [[1, 2, 3, 4], [9, 8, 7]]
+    assert generate(t, b, prompts, max_new_tokens=12).tokens == generate_vanilla(t, prompts, max_new_tokens=12).tokens
+    with pytest.raises(SystemExit, match=r"aux-layers 0,1,2: EAGLE-3 aux layers must be three target layer indices in \[0, 2\)"):
+        tdraft.main(_args(root, tdir, data, "aux_bad", 1, base + ["--aux-layers", "0,1,2"]))
+    with pytest.raises(SystemExit, match="is for an EAGLE-3 head"):
+        tdraft.main(_args(root, tdir, data, "aux_bad2", 1, ["--aux-layers", "0,1,1"]))

@@ -36,7 +36,10 @@ ignored for it, a larger one grows it (`grow_eagle3_vocab`: the most frequent to
 LM-head columns the target's, mapped as the head's trained ones are), and a draft_vocab.json with other tokens is refused. Its batch order mixes `seed` with a fingerprint of
 that head's weights (`data_order_seed`): a chain of runs, each from the last one's export, would
 otherwise train the same first batches in every run (a fresh optimiser and warmup each time).
-`time_limit` (minutes, 0: none) ends training after that much wall time (the feature cache not
+`aux_layers: 2,15,29` (eagle3) picks the target layers whose entering streams `fc` fuses (default:
+the `init_from` head's, else 2, L/2, L-3 as the published heads); from a head that reads other
+layers, its weights start the run and fc's three input blocks read the new layers (the feature cache
+is per set of layers). `time_limit` (minutes, 0: none) ends training after that much wall time (the feature cache not
 counted) and exports the head as it is then, as if `steps` had been reached; a rerun resumes.
 """
 from __future__ import annotations
@@ -60,7 +63,23 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
                 eval_tau_prompts=4, eval_tau_tokens=64, tree=dict(depth=5, top_k=10, total_tokens=60),
                 init_from=None, feature_cache=True, draft_vocab=None, feature_batch=8, rollout=1,
                 rollout_decay=0.8, arch="eagle2", eagle3_head_init="target", vocab_mask=False,
-                time_limit=0.0, example_len=2048)
+                time_limit=0.0, example_len=2048, aux_layers=None)
+
+
+def aux_layers_of(cfg: dict, target_config) -> tuple | None:
+    """cfg["aux_layers"] ("2,15,29" or a list) as a checked tuple; None where not set."""
+    raw = cfg["aux_layers"]
+    if raw is None:
+        return None
+    if cfg["arch"] != "eagle3":
+        sys.exit("error: --aux-layers is for an EAGLE-3 head (--arch eagle3)")
+    from eagle2_jax.draft import check_aux_layers
+    try:
+        aux = tuple(int(x) for x in (raw.split(",") if isinstance(raw, str) else raw))
+        check_aux_layers(aux, target_config)
+    except ValueError as e:
+        sys.exit(f"error: --aux-layers {raw}: {e}")
+    return aux
 
 
 def load_config(argv=None) -> dict:
@@ -346,6 +365,7 @@ def main(argv=None):
     if cfg["eagle3_head_init"] not in ("target", "random"):
         sys.exit(f"error: eagle3_head_init must be target or random, got {cfg['eagle3_head_init']!r}")
     target = load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)
+    aux = aux_layers_of(cfg, target.config)
     os.makedirs(cfg["out"], exist_ok=True)
     init = None
     if cfg["init_from"]:
@@ -353,6 +373,9 @@ def main(argv=None):
         init = load_draft(cfg["init_from"], target, draft_vocab=False)  # (an EAGLE-2 head's subset: draft_vocab)
         if init.arch != cfg["arch"]:
             sys.exit(f"error: --init-from {cfg['init_from']} is an {init.arch} head, not {cfg['arch']}")
+        if aux is not None and tuple(init.aux_layers) != aux:
+            print(f"the head read target layers {tuple(init.aux_layers)}; it now reads {aux}")
+            init = dataclasses.replace(init, aux_layers=aux)
     if init is not None and init.arch == "eagle3":
         vocab = eagle3_own_vocab(init, cfg, train)
         n = cfg["draft_vocab"]
@@ -369,7 +392,7 @@ def main(argv=None):
     if init is not None:
         draft = init
     elif cfg["arch"] == "eagle3":
-        draft = init_draft(target, cfg["seed"], arch="eagle3", draft_vocab_size=len(vocab))
+        draft = init_draft(target, cfg["seed"], arch="eagle3", draft_vocab_size=len(vocab), aux_layers=aux)
         draft.params = {**draft.params, "d2t": jax.numpy.asarray(vocab - np.arange(len(vocab)), jax.numpy.int32)}
         if cfg["eagle3_head_init"] == "target":  # start from the target's own head over the draft vocabulary
             draft.params = {**draft.params, **eagle3_head_from_target(target, vocab, draft.params)}
