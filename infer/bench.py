@@ -352,8 +352,10 @@ def write_outputs(out, rows, summary, figure=True):
     """results.json + results.md (rewritten after every batch of questions, so an interrupted run keeps
     what it measured) and, at the end, results.png."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
+    path = os.path.join(out, "results.json")
+    with open(path + ".tmp", "w") as f:
         json.dump({"summary": summary, "rows": rows}, f)
+    os.replace(path + ".tmp", path)  # (a kill mid-write leaves the last batch's file whole, for --resume)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(markdown(summary) + "\n")
     if not figure:
