@@ -30,16 +30,22 @@ class FakeRunner:
         return toks, 2.0, 10.0, acc
 
 
-def test_batch_costs_are_counted_once_per_batch(tmp_path, monkeypatch):
+def fake_bench(tmp_path, monkeypatch, n, runner=FakeRunner, categories=1):
+    """A question file of n questions and infer.bench wired to stand-ins (no model); returns its path."""
     q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps({"question_id": i, "category": "c%d" % (i % 2), "turns": [f"question {i}"]}) + "\n"
-                         for i in range(4)))
+    q.write_text("".join(json.dumps({"question_id": i, "category": "c%d" % (i % categories) if categories > 1 else "c",
+                                     "turns": [f"question {i}"]}) + "\n" for i in range(n)))
     target = types.SimpleNamespace(tokenizer=FakeTokenizer())
     monkeypatch.setattr(eagle2_jax, "load_target", lambda *a, **k: target)
     monkeypatch.setattr(eagle2_jax, "load_draft", lambda *a, **k: None)
-    monkeypatch.setattr(bench, "Ours", FakeRunner)
+    monkeypatch.setattr(bench, "Ours", runner)
     import infer.generate
     monkeypatch.setattr(infer.generate, "tree_for", lambda *a: eagle2_jax.TreeConfig(2, 2, 4))
+    return q
+
+
+def test_batch_costs_are_counted_once_per_batch(tmp_path, monkeypatch):
+    q = fake_bench(tmp_path, monkeypatch, 4, categories=2)
     out = tmp_path / "out"
     bench.main(["--questions", str(q), "--methods", "plain,eagle", "--batch", "2", "--out", str(out)])
     s = json.load(open(out / "results.json"))["summary"]
@@ -67,16 +73,8 @@ class SlowHF:
 
 
 def test_hf_limit_compares_on_the_same_answers(tmp_path, monkeypatch):
-    q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [f"question {i}"]}) + "\n"
-                         for i in range(5)))
-    target = types.SimpleNamespace(tokenizer=FakeTokenizer())
-    monkeypatch.setattr(eagle2_jax, "load_target", lambda *a, **k: target)
-    monkeypatch.setattr(eagle2_jax, "load_draft", lambda *a, **k: None)
-    monkeypatch.setattr(bench, "Ours", FakeRunner)
+    q = fake_bench(tmp_path, monkeypatch, 5)
     monkeypatch.setattr(bench, "HF", SlowHF)
-    import infer.generate
-    monkeypatch.setattr(infer.generate, "tree_for", lambda *a: eagle2_jax.TreeConfig(2, 2, 4))
     out = tmp_path / "out"
     bench.main(["--questions", str(q), "--methods", "plain,eagle,hf", "--hf-limit", "2", "--out", str(out)])
     data = json.load(open(out / "results.json"))
@@ -122,15 +120,7 @@ class CountingRunner(FakeRunner):
 
 def test_resume_answers_only_the_missing_batches(tmp_path, monkeypatch):
     import pytest
-    q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [f"question {i}"]}) + "\n"
-                         for i in range(7)))
-    target = types.SimpleNamespace(tokenizer=FakeTokenizer())
-    monkeypatch.setattr(eagle2_jax, "load_target", lambda *a, **k: target)
-    monkeypatch.setattr(eagle2_jax, "load_draft", lambda *a, **k: None)
-    monkeypatch.setattr(bench, "Ours", CountingRunner)
-    import infer.generate
-    monkeypatch.setattr(infer.generate, "tree_for", lambda *a: eagle2_jax.TreeConfig(2, 2, 4))
+    q = fake_bench(tmp_path, monkeypatch, 7, CountingRunner)
     monkeypatch.setattr(CountingRunner, "warm", lambda self, p: None, raising=False)
     common = ["--questions", str(q), "--methods", "plain,eagle", "--batch", "2"]
 
