@@ -21,7 +21,7 @@ import numpy as np
 
 from .cache import KVCache, init_cache
 from .config import ModelConfig
-from .layers import causal_mask, decoder_layer, dense, init_dense, init_layer
+from .layers import causal_mask, decoder_layer, dense, init_dense, init_layer, rope_tables
 from .model import Target, module_param, one_layer_forward, resolve_dtype
 from .ops import XLA, Ops
 
@@ -46,7 +46,8 @@ class EagleDraft(nn.Module):
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = dense(self.ops, self.fc, x)
         return one_layer_forward(self.ops, cache, local_mask_BTU, offset, fresh,
-                                 lambda attend: decoder_layer(self.ops, self.config, self.layer, x, positions_BT, attend))
+                                 lambda attend: decoder_layer(self.ops, self.config, self.layer, x,
+                                                                rope_tables(self.config, positions_BT), attend))
 
 
 @dataclasses.dataclass

@@ -62,14 +62,21 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
 
 
-def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotary embedding in Hugging Face's half-split convention, computed in float32:
-    x * [cos, cos] + [x2, x1] * [-sin, sin] (the same values as x1 cos - x2 sin, x2 cos + x1 sin,
-    with fewer ops over x)."""
+def rope_tables(config: ModelConfig, positions_BT: jax.Array):
+    """(cos, sin) [B, T, 1, Dh] float32, the rotary tables of these positions in Hugging Face's
+    half-split convention ([cos, cos] and [-sin, sin]). A forward computes them once, before its
+    layer loop: XLA does not hoist them out of a scan over layers (on TPU they cost 3 kernels a
+    layer)."""
+    inv_freq = rope_inv_freq(config)
     angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)[None, None]
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [B, T, Dh/2]
-    cos2 = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
-    sin2 = jnp.concatenate([-sin, sin], axis=-1)[:, :, None, :]
+    return (jnp.concatenate([cos, cos], axis=-1)[:, :, None, :], jnp.concatenate([-sin, sin], axis=-1)[:, :, None, :])
+
+
+def apply_rope(x_BTHD: jax.Array, rope) -> jax.Array:
+    """Rotary embedding with `rope_tables`, computed in float32: x * [cos, cos] + [x2, x1] * [-sin, sin]
+    (the same values as x1 cos - x2 sin, x2 cos + x1 sin, with fewer ops over x)."""
+    cos2, sin2 = rope
     x = x_BTHD.astype(jnp.float32)
     half = x.shape[-1] // 2
     swapped = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
@@ -92,12 +99,11 @@ def dense(ops: Ops, p, x, n_in: int = 1):
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
 
 
-def attention(ops: Ops, c: ModelConfig, p, x_BTD, positions_BT, attend):
+def attention(ops: Ops, c: ModelConfig, p, x_BTD, rope, attend):
     """Self-attention through `attend(q [B,T,H,Dh], k, v [B,K,T,Dh]) -> (out [B,T,H,Dh], state)`
-    (`attend_within` / `attend_beside`). Returns (out [B,T,D], state)."""
-    inv_freq = rope_inv_freq(c)
-    q = apply_rope(dense(ops, p["q"], x_BTD), positions_BT, inv_freq)
-    k = apply_rope(dense(ops, p["k"], x_BTD), positions_BT, inv_freq).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+    (`attend_within` / `attend_beside`), rotated by `rope` (`rope_tables`). Returns (out [B,T,D], state)."""
+    q = apply_rope(dense(ops, p["q"], x_BTD), rope)
+    k = apply_rope(dense(ops, p["k"], x_BTD), rope).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
     v = dense(ops, p["v"], x_BTD).transpose(0, 2, 1, 3)
     out, state = attend(q, k, v)
     return dense(ops, p["o"], out.astype(x_BTD.dtype), n_in=2), state
@@ -133,11 +139,11 @@ def mlp(ops: Ops, p, x):
     return dense(ops, p["down"], nn.silu(gate) * up)
 
 
-def decoder_layer(ops: Ops, c: ModelConfig, p, x_BTD, positions_BT, attend):
+def decoder_layer(ops: Ops, c: ModelConfig, p, x_BTD, rope, attend):
     """Pre-norm Llama layer; without p["input_norm"] it is the EAGLE draft layer (the input is
-    already normalised). Returns (x [B,T,D], the state `attend` returns)."""
+    already normalised). `rope`: the tokens' `rope_tables`. Returns (x [B,T,D], the state `attend` returns)."""
     h = rms_norm(ops, p["input_norm"], x_BTD, c.rms_norm_eps) if "input_norm" in p else x_BTD
-    a, state = attention(ops, c, p["attn"], h, positions_BT, attend)
+    a, state = attention(ops, c, p["attn"], h, rope, attend)
     x = x_BTD + a
     x = x + mlp(ops, p["mlp"], rms_norm(ops, p["post_norm"], x, c.rms_norm_eps))
     return x, state

@@ -23,7 +23,7 @@ from .cache import KVCache, init_cache, write
 from .config import ModelConfig
 from .layer_list import holds_layer_lists
 from .layers import (attend_beside, attend_within, cache_mask, causal_mask, decoder_layer, init_layers, rms_norm,
-                     split_masks)
+                     rope_tables, split_masks)
 from .ops import XLA, Ops
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -128,6 +128,8 @@ class Llama(nn.Module):
         aux0 = jnp.zeros((A,) + x0.shape, x0.dtype)
         index_L = np.arange(c.num_hidden_layers, dtype=np.int32)  # static per layer where the loop is unrolled
         start_B = cache.length + offset
+        rope = rope_tables(c, positions_BT)  # once, outside the layer loop (as are the masks)
+        G = c.num_attention_heads // c.num_key_value_heads
 
         def keep_aux(aux_ABTD, x_BTD, i):  # the stream entering the aux layers
             if not A:
@@ -137,24 +139,25 @@ class Llama(nn.Module):
 
         unrolled = ops.unroll_layers or holds_layer_lists(self.layers)
         if writes_first(ops, tokens_BT.shape[1], fresh, unrolled):  # each layer writes, then attends over its cache
-            mask_BTS = cache_mask(cache.length, local_mask_BTU, cache.max_len)
+            (mask_BTS,) = ops.loop_masks((cache_mask(cache.length, local_mask_BTU, cache.max_len),), G)
 
             def layer(carry, xs):
                 (x_BTD, aux_ABTD, k_LBKSD, v_LBKSD), (p, i) = carry, xs
                 aux_ABTD = keep_aux(aux_ABTD, x_BTD, i)
                 attend = attend_within(ops, k_LBKSD, v_LBKSD, i, start_B, mask_BTS)
-                x_BTD, (k_LBKSD, v_LBKSD) = decoder_layer(ops, c, p, x_BTD, positions_BT, attend)
+                x_BTD, (k_LBKSD, v_LBKSD) = decoder_layer(ops, c, p, x_BTD, rope, attend)
                 return (x_BTD, aux_ABTD, k_LBKSD, v_LBKSD), None
 
             (x, aux, k, v), _ = ops.scan_layers(layer, (x0, aux0, cache.k, cache.v), (self.layers, index_L))
             cache = cache.replace(k=k, v=v)
         else:  # the cache is read as it was; all layers' new entries are written after the loop
             k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
+            masks = ops.loop_masks(masks, G)
 
             def layer(carry, xs):
                 (x_BTD, aux_ABTD), (p, k_BKSD, v_BKSD, i) = carry, xs
                 aux_ABTD = keep_aux(aux_ABTD, x_BTD, i)
-                x_BTD, kv = decoder_layer(ops, c, p, x_BTD, positions_BT, attend_beside(ops, k_BKSD, v_BKSD, masks))
+                x_BTD, kv = decoder_layer(ops, c, p, x_BTD, rope, attend_beside(ops, k_BKSD, v_BKSD, masks))
                 return (x_BTD, aux_ABTD), kv
 
             (x, aux), (k_LBKTD, v_LBKTD) = ops.scan_layers(layer, (x0, aux0), (self.layers, k_read, v_read, index_L))

@@ -88,9 +88,17 @@ class Ops:
     # ---- attention and layers -----------------------------------------------------------------
     def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=None, mask_new_BTT=None):
         """Softmax attention of T queries over the cache (under mask [B, T, S]) and, when given,
-        this call's own keys/values (mask [B, T, T]) in one float32 softmax: [B, T, H, Dh]."""
+        this call's own keys/values (mask [B, T, T]) in one float32 softmax: [B, T, H, Dh]. The
+        masks may come as `loop_masks` made them."""
         return attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT,
                           slot_major=self.slot_major_scores)
+
+    def loop_masks(self, masks: tuple, G: int) -> tuple:
+        """Masks ([B, T, X] each) as `attend` takes them inside a layer loop, made once before the
+        loop: here broadcast to the query rows ([B, 1, G * T, X], `row_mask`), which XLA would
+        otherwise rebuild in every layer of a scan (2 kernels a layer on TPU). A backend whose
+        `attend` takes [B, T, X] masks returns them as they are."""
+        return tuple(row_mask(m, G) for m in masks)
 
     def scan_layers(self, body: Callable, carry, xs):
         """`lax.scan(body, carry, xs)` over stacked layers (xs leaves [L, ...]); over per-layer
@@ -113,6 +121,12 @@ def query_rows(q_BTHD, K: int):
     return q.astype(jnp.float32) * (1.0 / math.sqrt(Dh))
 
 
+def row_mask(mask_BTX, G: int):
+    """[B, T, X] -> [B, 1, G * T, X]: the mask of each query row m = g * T + t (`query_rows`)."""
+    B, T, X = mask_BTX.shape
+    return jnp.broadcast_to(mask_BTX[:, None], (B, G, T, X)).reshape(B, G * T, X)[:, None]
+
+
 def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=None, mask_new_BTT=None, *,
                slot_major: bool):
     """One float32 softmax over the cache slots and, when given, the new keys as a second block
@@ -130,8 +144,8 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=Non
         blocks.append((k_new_BKTD.astype(k_BKSD.dtype), v_new_BKTD.astype(v_BKSD.dtype), mask_new_BTT))
     dot = lambda eq, a, b: jnp.einsum(eq, a.astype(b.dtype), b, preferred_element_type=f32)  # noqa: E731
 
-    def rows(m_BTX):  # [B, T, X] -> [B, 1, M, X]
-        return jnp.broadcast_to(m_BTX[:, None], (B, G) + m_BTX.shape[1:]).reshape(B, G * T, -1)[:, None]
+    def rows(m):  # [B, T, X], or already [B, 1, M, X] (`Ops.loop_masks`) -> [B, 1, M, X]
+        return m if m.ndim == 4 else row_mask(m, G)
     if slot_major:
         scores = lambda k, m: jnp.where(rows(m).swapaxes(2, 3), dot("bksd,bkmd->bksm", k, qc), NEG_INF)  # noqa: E731
         ax, pv = 2, "bksm,bksd->bkmd"

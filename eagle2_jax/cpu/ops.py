@@ -129,6 +129,9 @@ class CpuOps(core_ops.Ops):
             target_params = {**target_params, "embed": packed.dequantize(emb)}
         return super().vocab_head(target_params, tie_word_embeddings, ids, dtype)
 
+    def loop_masks(self, masks: tuple, G: int) -> tuple:
+        return masks  # the kernel takes [B, T, X] masks
+
     def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT):
         if self.attention and k_BKSD.dtype == jnp.float32 and k_new_BKTD.dtype == jnp.float32:
             (k, layer), (v, _) = _stack_and_layer(k_BKSD), _stack_and_layer(v_BKSD)

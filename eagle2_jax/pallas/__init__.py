@@ -40,6 +40,9 @@ class PallasOps(core_ops.Ops):
 
     max_new: int = 128  # calls with more new tokens (prefill) keep the XLA attention
 
+    def loop_masks(self, masks: tuple, G: int) -> tuple:
+        return masks  # the kernel takes [B, T, X] masks
+
     def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=None, mask_new_BTT=None):
         args = (q_BTHD, k_BKSD, v_BKSD, mask_BTS) + (() if k_new_BKTD is None else (k_new_BKTD, v_new_BKTD, mask_new_BTT))
         if q_BTHD.shape[1] > self.max_new:  # the kernel holds the new tokens' [T, T] block whole
