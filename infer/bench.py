@@ -64,7 +64,8 @@ def parse(argv=None):
     ap.add_argument("--out", default="runs/bench", help="output directory")
     ap.add_argument("--resume", action="store_true",
                     help="keep the batches of questions already answered in --out/results.json (same settings; "
-                         "a larger --limit extends the run) and answer only the rest. tokens/s then sums the "
+                         "a larger --limit extends the run, a smaller one keeps the answers beyond it) and answer "
+                         "only the rest. tokens/s then sums the "
                          "runs' seconds, so compare speeds within one uninterrupted run; tau is unaffected")
     return ap.parse_args(argv)
 
@@ -248,7 +249,8 @@ def settings(args, runners, tree):
 def resumed(out, now, groups):
     """(rows, indices of done groups) from an earlier run's results.json in `out`: a group is done when
     every method answered every one of its questions; the rows of other groups are dropped (they are
-    answered again, in the same batch as now)."""
+    answered again, in the same batch as now). Questions this run does not select (a smaller --limit)
+    keep the rows of those every method answered: a resumed run never loses finished answers."""
     path = os.path.join(out, "results.json")
     if not os.path.exists(path):
         return [], set()
@@ -267,6 +269,8 @@ def resumed(out, now, groups):
     done = {g for g, group in enumerate(groups)
             if all(q["question_id"] in answered[m] for m in methods for q in group)}
     keep = {q["question_id"] for g in done for q in groups[g]}
+    selected = {q["question_id"] for group in groups for q in group}
+    keep |= {i for i in set.intersection(*(answered[m] for m in methods)) if i not in selected}
     return [r for r in old["rows"] if r["question_id"] in keep], done
 
 

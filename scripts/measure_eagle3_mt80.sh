@@ -4,6 +4,7 @@
 # T = 0 first: both heads advance together, 16 questions at a time (--resume with a growing --limit),
 # so wherever it stops they cover the same questions; then T = 1 the same way. Rerun to continue.
 # usage: bash scripts/measure_eagle3_mt80.sh [eagle3 head] [version]     (~3-4 h on 2 cores)
+#        TEMPS=1 bash scripts/measure_eagle3_mt80.sh                      (one temperature only)
 set -u
 cd "$(dirname "$0")/.."
 E3=${1:-eagle2_jax/heads/smollm2-135m-instruct-eagle3}
@@ -13,7 +14,7 @@ Q=../shared/data/eval/mt_bench.jsonl
 B=runs/bench/$V
 mkdir -p "$B"
 REF="--questions $Q --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens 256 --batch 16 --resume"
-for T in 0 1; do
+for T in ${TEMPS:-0 1}; do
   for L in 16 32 48 64 80; do
     for h in e3 e2; do
       D=$E3; [ $h = e2 ] && D=$E2

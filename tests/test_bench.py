@@ -144,5 +144,12 @@ def test_resume_answers_only_the_missing_batches(tmp_path, monkeypatch):
     assert sorted(got["rows"], key=key) == sorted(expected["rows"], key=key)
     assert got["summary"]["methods"] == expected["summary"]["methods"]
 
+    CountingRunner.calls = []  # rerun with a smaller --limit (as a rerun script does): nothing asked, nothing lost
+    bench.main(common + ["--limit", "2", "--out", str(part), "--resume"])
+    assert CountingRunner.calls == []
+    again = json.load(open(part / "results.json"))
+    assert sorted(again["rows"], key=key) == sorted(expected["rows"], key=key)
+    assert again["summary"]["methods"] == expected["summary"]["methods"]
+
     with pytest.raises(SystemExit, match="other settings.*temperature"):
         bench.main(common + ["--out", str(part), "--resume", "--temperature", "1"])
