@@ -61,7 +61,7 @@ def draft_catch_up(tmodule, tparams, dmodule, dparams, dcache: KVCache, tokens_B
     emb = target_embed(tmodule, tparams, tokens_BC)
     pos = dcache.length[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
     h, dcache = draft_apply(dmodule, dparams, emb, features_BCD, pos, dcache, causal_mask(B, C), fresh=fresh)
-    last = jnp.take_along_axis(h, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(h, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1, mode="promise_in_bounds")[:, 0]
     return last, advance(dcache, n_B)
 
 
@@ -112,12 +112,12 @@ def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: Eagle
     tcache = compact(tcache, path, n_acc)
     # emit: accepted draft tokens then the bonus
     d = jnp.arange(C)[None]
-    path_tok = jnp.take_along_axis(t.tokens_BN, path, axis=1)  # [B, C], root first
+    path_tok = jnp.take_along_axis(t.tokens_BN, path, axis=1, mode="promise_in_bounds")  # [B, C], root first
     nxt = jnp.concatenate([path_tok[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     new_tok = jnp.where(d == (n_acc - 1)[:, None], bonus[:, None], nxt)
     out, n_out, done, added = emit(st.out_BM, st.n_out_B, st.done_B, new_tok, n_acc, st.max_new_B, st.eos)
     # catch-up: pairs (feature of path node d, token after it)
-    path_feat = jnp.take_along_axis(draft_feats, path[:, :, None], axis=1)
+    path_feat = jnp.take_along_axis(draft_feats, path[:, :, None], axis=1, mode="promise_in_bounds")
     hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, new_tok, path_feat, n_acc)
     r = jnp.minimum(st.rounds_B, st.accept_BR.shape[1] - 1)
     accept = st.accept_BR.at[jnp.arange(B), r].set(jnp.where(active, n_acc, st.accept_BR[jnp.arange(B), r]))

@@ -68,7 +68,7 @@ class Ops:
 
     def embed(self, table, tokens) -> jax.Array:
         """Rows `tokens` of the embedding table [V, D]."""
-        return jnp.take(table, tokens, axis=0)
+        return jnp.take(table, tokens, axis=0, mode="clip")
 
     def lm_head(self, x, w, tied: bool) -> jax.Array:
         """Logits [..., V] in float32: x @ w ([D, V]) or, tied, x @ w.T (w the embedding [V, D])."""

@@ -34,9 +34,13 @@ class Tree:
 
 
 def _take_rows(x_BK, idx_BJ):
-    """x[b, idx[b, j]] for trailing dims too."""
-    idx = idx_BJ.reshape(idx_BJ.shape + (1,) * (x_BK.ndim - 2))
-    return jnp.take_along_axis(x_BK, idx, axis=1)
+    """x[b, idx[b, j]] for trailing dims too, as a one-hot selection over the K rows (exact: one
+    term per output)."""
+    hit = idx_BJ[:, :, None] == jnp.arange(x_BK.shape[1])[None, None]  # [B, J, K]
+    hit = hit.reshape(hit.shape + (1,) * (x_BK.ndim - 2))
+    if x_BK.dtype == jnp.bool_:
+        return jnp.any(hit & x_BK[:, None], axis=2)
+    return jnp.sum(jnp.where(hit, x_BK[:, None], jnp.zeros((), x_BK.dtype)), axis=2, dtype=x_BK.dtype)
 
 
 def draft_topk(tmodule: Llama, tparams, dmodule, dparams, h, k: int):
@@ -54,7 +58,7 @@ def draft_topk(tmodule: Llama, tparams, dmodule, dparams, h, k: int):
         score, tok = top_log_probs(target_logits(tmodule, tparams, h), k)
         return score, tok.astype(jnp.int32)
     score, idx = top_log_probs(tmodule.ops.vocab_logits(h, vh), k)
-    return score, jnp.take(vh["ids"], idx).astype(jnp.int32)
+    return score, jnp.take(vh["ids"], idx, mode="clip").astype(jnp.int32)
 
 
 def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCache,
@@ -106,11 +110,12 @@ def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:
                     jnp.ones((B, 1, 1), bool), jnp.zeros((B, 1), jnp.int32))
     _, top = jax.lax.top_k(pool.scores_BP, N - 1)  # ties: lower index (the parent) first
     sel = jnp.sort(top, axis=1)
-    toks = jnp.take_along_axis(pool.tokens_BP, sel, axis=1)
-    ppool = jnp.take_along_axis(pool.parents_BP, sel, axis=1)
+    toks = jnp.take_along_axis(pool.tokens_BP, sel, axis=1, mode="promise_in_bounds")
+    ppool = jnp.take_along_axis(pool.parents_BP, sel, axis=1, mode="promise_in_bounds")
     node_of = jax.vmap(lambda s: jnp.zeros((pool.scores_BP.shape[1],), jnp.int32)
                        .at[s].set(jnp.arange(1, N, dtype=jnp.int32)))(sel)
-    pnode = jnp.where(ppool < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(ppool, 0), axis=1))
+    pnode = jnp.where(ppool < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(ppool, 0), axis=1,
+                                                                      mode="promise_in_bounds"))
     tokens = jnp.concatenate([root_B[:, None].astype(jnp.int32), toks], axis=1)
     parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), pnode], axis=1)
     # ancestors by following parent pointers: the tree is at most passes + 1 edges deep, and each
@@ -121,6 +126,7 @@ def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:
     for hop in range(tree.passes + 1):
         anc = anc | (up[:, :, None] == ids[None, None, :])  # (-1, above the root, matches no node)
         if hop < tree.passes:
-            up = jnp.where(up < 0, -1, jnp.take_along_axis(parents, jnp.maximum(up, 0), axis=1))
+            up = jnp.where(up < 0, -1, jnp.take_along_axis(parents, jnp.maximum(up, 0), axis=1,
+                                                                           mode="promise_in_bounds"))
     depths = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
     return Tree(tokens, parents, anc, depths)

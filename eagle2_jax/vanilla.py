@@ -48,7 +48,7 @@ def prefill(module: Llama, params, prompt_BP, prompt_len_B, cache_len: int, mesh
     out = target_apply(module, params, prompt_BP, pos, cache, causal_mask(B, P), fresh=True, aux_layers=aux_layers)
     feats, cache = out[:2]
     cache = advance(cache, prompt_len_B)
-    last = jnp.take_along_axis(feats, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(feats, (prompt_len_B - 1)[:, None, None], axis=1, mode="promise_in_bounds")[:, 0]
     return (out[2] if aux_layers else feats), cache, target_logits(module, params, last)
 
 

@@ -17,19 +17,20 @@ from .tree import Tree
 
 def path_to(tree: Tree, node_B: jax.Array, length: int) -> jax.Array:
     """Nodes on the root->node path ordered by depth, padded with 0: [B, length]."""
-    anc = jnp.take_along_axis(tree.ancestors_BNN, node_B[:, None, None], axis=1)[:, 0]  # [B, N]
+    anc = jnp.take_along_axis(tree.ancestors_BNN, node_B[:, None, None], axis=1,
+                              mode="promise_in_bounds")[:, 0]  # [B, N]
     at_depth = anc[:, None, :] & (tree.depths_BN[:, None, :] == jnp.arange(length)[None, :, None])
     return jnp.argmax(at_depth, axis=-1).astype(jnp.int32)  # 0 where no node at that depth
 
 
 def accept_greedy(tree: Tree, logits_BNV: jax.Array, max_len: int):
     g = jnp.argmax(logits_BNV, axis=-1).astype(jnp.int32)  # target's choice after each node
-    want = jnp.take_along_axis(g, jnp.maximum(tree.parents_BN, 0), axis=1)
+    want = jnp.take_along_axis(g, jnp.maximum(tree.parents_BN, 0), axis=1, mode="promise_in_bounds")
     correct = (tree.tokens_BN == want) | (tree.parents_BN < 0)
     accepted = ~jnp.any(tree.ancestors_BNN & ~correct[:, None, :], axis=-1)
     best = jnp.argmax(jnp.where(accepted, tree.depths_BN, -1), axis=1).astype(jnp.int32)
-    n_acc = jnp.take_along_axis(tree.depths_BN, best[:, None], axis=1)[:, 0] + 1
-    bonus = jnp.take_along_axis(g, best[:, None], axis=1)[:, 0]
+    n_acc = jnp.take_along_axis(tree.depths_BN, best[:, None], axis=1, mode="promise_in_bounds")[:, 0] + 1
+    bonus = jnp.take_along_axis(g, best[:, None], axis=1, mode="promise_in_bounds")[:, 0]
     return path_to(tree, best, max_len), n_acc, bonus
 
 
@@ -73,14 +74,14 @@ def accept_sampling(tree: Tree, logits_BNV: jax.Array, keys_B: jax.Array, max_le
     N = tree.tokens_BN.shape[1]
     par = jnp.maximum(tree.parents_BN, 0)
     x_par = jax.vmap(lambda xb, a, t: xb[a, t])(x, par, tree.tokens_BN)  # [B, N]: parent's logit of x_j
-    q = jnp.exp(x_par - jnp.take_along_axis(lse, par, axis=1))  # p_parent(x_j)
+    q = jnp.exp(x_par - jnp.take_along_axis(lse, par, axis=1, mode="promise_in_bounds"))  # p_parent(x_j)
     earlier = jnp.tril(jnp.ones((N, N), bool), -1)[None]  # k < j
     same = (tree.parents_BN[:, :, None] == tree.parents_BN[:, None, :]) & \
         (tree.tokens_BN[:, :, None] == tree.tokens_BN[:, None, :])
     skip = jnp.any(same & earlier, axis=-1)
     k_walk, k_bonus = jnp.moveaxis(jax.vmap(jax.random.split)(keys_B), 1, 0)
     cur = jax.vmap(_walk_row)(q, tree.parents_BN, skip, k_walk)
-    x_cur = jnp.take_along_axis(x, cur[:, None, None], axis=1)[:, 0]  # [B, V]
+    x_cur = jnp.take_along_axis(x, cur[:, None, None], axis=1, mode="promise_in_bounds")[:, 0]  # [B, V]
     bonus = jax.vmap(_bonus_row)(x_cur, tree.tokens_BN, tree.parents_BN, cur, k_bonus)
-    n_acc = jnp.take_along_axis(tree.depths_BN, cur[:, None], axis=1)[:, 0] + 1
+    n_acc = jnp.take_along_axis(tree.depths_BN, cur[:, None], axis=1, mode="promise_in_bounds")[:, 0] + 1
     return path_to(tree, cur, max_len), n_acc, bonus

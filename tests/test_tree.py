@@ -153,3 +153,20 @@ def test_top_log_probs_equals_top_k_of_log_softmax():
         got = jax.jit(lambda v: top_log_probs(v, 8))(xi)
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=0, atol=1e-6)
+
+
+def test_row_picks_equal_gathers():
+    """expand's one-hot row picks give exactly take_along_axis's rows: bf16 and float32 hidden states
+    (with infinities), int tokens, bool ancestor masks, repeated picks."""
+    from eagle2_jax.tree import _take_rows
+    rng = np.random.default_rng(0)
+    B, K, J = 3, 10, 10
+    idx = jnp.asarray(rng.integers(0, K, (B, J)), jnp.int32)
+    h = rng.standard_normal((B, K, 7)).astype(np.float32)
+    h[0, 1, 2], h[2, 4, 1] = np.inf, -np.inf
+    for x in (jnp.asarray(h), jnp.asarray(h, jnp.bfloat16), jnp.asarray(rng.integers(-1, 49152, (B, K)), jnp.int32),
+              jnp.asarray(rng.random((B, K, 50)) < 0.3)):
+        ref = jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+        got = jax.jit(_take_rows)(x, idx)
+        assert got.dtype == x.dtype and got.shape == ref.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
