@@ -45,9 +45,9 @@ class EagleDraft(nn.Module):
         written at length+offset; masks and `fresh` as in `Llama.__call__`)."""
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = dense(self.ops, self.fc, x)
+        rope = rope_tables(self.config, positions_BT)
         return one_layer_forward(self.ops, cache, local_mask_BTU, offset, fresh,
-                                 lambda attend: decoder_layer(self.ops, self.config, self.layer, x,
-                                                                rope_tables(self.config, positions_BT), attend))
+                                 lambda attend: decoder_layer(self.ops, self.config, self.layer, x, rope, attend))
 
 
 @dataclasses.dataclass

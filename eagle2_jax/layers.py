@@ -99,7 +99,7 @@ def dense(ops: Ops, p, x, n_in: int = 1):
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
 
 
-def attention(ops: Ops, c: ModelConfig, p, x_BTD, rope, attend):
+def attention(ops: Ops, p, x_BTD, rope, attend):
     """Self-attention through `attend(q [B,T,H,Dh], k, v [B,K,T,Dh]) -> (out [B,T,H,Dh], state)`
     (`attend_within` / `attend_beside`), rotated by `rope` (`rope_tables`). Returns (out [B,T,D], state)."""
     q = apply_rope(dense(ops, p["q"], x_BTD), rope)
@@ -143,7 +143,7 @@ def decoder_layer(ops: Ops, c: ModelConfig, p, x_BTD, rope, attend):
     """Pre-norm Llama layer; without p["input_norm"] it is the EAGLE draft layer (the input is
     already normalised). `rope`: the tokens' `rope_tables`. Returns (x [B,T,D], the state `attend` returns)."""
     h = rms_norm(ops, p["input_norm"], x_BTD, c.rms_norm_eps) if "input_norm" in p else x_BTD
-    a, state = attention(ops, c, p["attn"], h, rope, attend)
+    a, state = attention(ops, p["attn"], h, rope, attend)
     x = x_BTD + a
     x = x + mlp(ops, p["mlp"], rms_norm(ops, p["post_norm"], x, c.rms_norm_eps))
     return x, state
