@@ -114,8 +114,8 @@ def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:
     ppool = jnp.take_along_axis(pool.parents_BP, sel, axis=1, mode="promise_in_bounds")
     node_of = jax.vmap(lambda s: jnp.zeros((pool.scores_BP.shape[1],), jnp.int32)
                        .at[s].set(jnp.arange(1, N, dtype=jnp.int32)))(sel)
-    pnode = jnp.where(ppool < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(ppool, 0), axis=1,
-                                                                      mode="promise_in_bounds"))
+    pnode_at = jnp.take_along_axis(node_of, jnp.maximum(ppool, 0), axis=1, mode="promise_in_bounds")
+    pnode = jnp.where(ppool < 0, 0, pnode_at)
     tokens = jnp.concatenate([root_B[:, None].astype(jnp.int32), toks], axis=1)
     parents = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), pnode], axis=1)
     # ancestors by following parent pointers: the tree is at most passes + 1 edges deep, and each
@@ -126,7 +126,7 @@ def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:
     for hop in range(tree.passes + 1):
         anc = anc | (up[:, :, None] == ids[None, None, :])  # (-1, above the root, matches no node)
         if hop < tree.passes:
-            up = jnp.where(up < 0, -1, jnp.take_along_axis(parents, jnp.maximum(up, 0), axis=1,
-                                                                           mode="promise_in_bounds"))
+            hop_up = jnp.take_along_axis(parents, jnp.maximum(up, 0), axis=1, mode="promise_in_bounds")
+            up = jnp.where(up < 0, -1, hop_up)
     depths = jnp.sum(anc, axis=-1, dtype=jnp.int32) - 1
     return Tree(tokens, parents, anc, depths)
