@@ -149,7 +149,7 @@ def _step(tparams, dparams, st, sampling, *, tmodule, dmodule, tree):
 
 
 PREFILL = Program(_prefill, ("tmodule", "dmodule", "cache_len", "out_len", "tree", "mesh"))
-LOOP = Program(_loop, ("tmodule", "dmodule", "tree"), donate=("st",))
+LOOP = Program(_loop, ("tmodule", "dmodule", "tree"), donate=("st",), loop=True)
 STEP = Program(_step, ("tmodule", "dmodule", "tree"))
 # The streaming driver's step: it replaces the state every round, so the caches are updated in place
 # (STEP, which leaves its input intact for calibration walks that reuse it, copies every cache buffer;

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .defaults import gpu_graph_options, platform
 from .sharding import to_host
 
 
@@ -32,10 +33,13 @@ def _leaf_key(x):
 
 
 class Program:
-    def __init__(self, fn: Callable, static: tuple, donate: tuple = ()):
+    def __init__(self, fn: Callable, static: tuple, donate: tuple = (), loop: bool = False):
         """`donate`: names of arguments whose buffers the program may reuse for its outputs (the caller
-        must not touch them afterwards), e.g. the decode state a host-stepped loop replaces each step."""
+        must not touch them afterwards), e.g. the decode state a host-stepped loop replaces each step.
+        `loop`: the program is a decode loop on the device (a while loop over steps or rounds); on a GPU
+        it is compiled with the CUDA-graph mode of defaults.gpu_graphs."""
         self.name = fn.__name__
+        self.loop = loop
         self._jit = jax.jit(fn, static_argnames=static, donate_argnames=donate)
         self._compiled: dict = {}
         _ALL.append(self)
@@ -50,15 +54,23 @@ class Program:
     def compile(self, *args, timings: Optional[dict] = None, **static):
         """The compiled executable for these inputs (compiled once per key, then cached)."""
         leaves, treedef = jax.tree_util.tree_flatten(args)
-        key = (treedef, tuple(_leaf_key(x) for x in leaves), tuple(sorted(static.items(), key=lambda kv: kv[0])))
+        options = self.compiler_options()
+        key = (treedef, tuple(_leaf_key(x) for x in leaves), tuple(sorted(static.items(), key=lambda kv: kv[0])),
+               tuple(sorted(options.items())))
         exe = self._compiled.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            exe = self._jit.lower(*args, **static).compile()
+            exe = self._jit.lower(*args, **static).compile(compiler_options=options or None)
             self._compiled[key] = exe
             if timings is not None:
                 timings["compile_s"] = timings.get("compile_s", 0.0) + time.perf_counter() - t0
         return exe
+
+    def compiler_options(self, backend: Optional[str] = None) -> dict:
+        """XLA options this program is compiled with on `backend` (default: JAX's default backend)."""
+        if self.loop and platform(backend) == "gpu":
+            return gpu_graph_options()
+        return {}
 
 
 COMPILE_CACHE_SWITCH = "EAGLE2_JAX_COMPILE_CACHE"  # "0": no persistent compilation cache

@@ -92,7 +92,7 @@ def _step(params, st, sampling, *, module):
 
 
 PREFILL = Program(_prefill, ("module", "cache_len", "out_len", "mesh"))
-LOOP = Program(_loop, ("module",), donate=("st",))
+LOOP = Program(_loop, ("module",), donate=("st",), loop=True)
 STEP = Program(_step, ("module",))
 STREAM_STEP = Program(_step, ("module",), donate=("st",))  # see eagle.STREAM_STEP
 

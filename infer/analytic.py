@@ -34,6 +34,7 @@ draft catch-up; round = the whole round as the loop runs it (not the sum of the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 ACCELERATORS = {  # peak HBM bytes/s and dense bf16 FLOP/s, from the vendors' data sheets
@@ -173,7 +174,11 @@ def gpu_target_config(accelerator: str, cuda=(13, 0), cudnn=(9, 8)) -> str:
                 memory_bandwidth=t["bandwidth"], l2_cache_size=t["l2"], clock_rate_ghz=1.98,
                 device_memory_size=t["memory"], shared_memory_per_block_optin=232448,
                 registers_per_core_limit=65536, registers_per_block_limit=65536)
+    # a current driver and toolkit: XLA drops the CUDA-graph commands that need a 12.3+ driver (cuBLAS and
+    # custom calls captured into graphs, while loops and conditionals on the device) when it sees none
+    version = f"{cuda[0]}.{cuda[1]}.0"
     lines = ["gpu_device_info {"] + [f"  {k}: {v}" for k, v in info.items()] + [
+        f'  {k}: "{version}"' for k in ("driver_version", "runtime_version", "compile_time_toolkit_version")] + [
         "  cuda_compute_capability { major: 9 minor: 0 }", "}", 'platform_name: "CUDA"',
         f"dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} }}",
         f"runtime_version {{ major: {cuda[0]} minor: {cuda[1]} }}", f'device_description_str: "{t["name"]}"']
@@ -210,6 +215,50 @@ def placement(accelerator: str):
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
             if hasattr(x, "shape") and hasattr(x, "dtype") else x, tree)
     return place
+
+
+_THUNK = re.compile(r"^( *)\d+: (k\w+)")
+
+
+def loop_launches(thunks_text: str) -> dict:
+    """What the host does per trip of a GPU program's outermost while loop (a decode loop), from XLA's
+    thunk sequence (the `*.thunk_sequence_after_thunk_passes.txt` of an XLA dump): `launches`, the
+    commands the host issues each trip (a CUDA graph -- XLA's kCommandBuffer -- counts one, as does a
+    kernel or copy outside a graph), of which `graphs` are graphs, and `syncs`, the times it waits for
+    the device (XLA's WhileThunk copies the loop condition to the host and blocks every trip); all
+    zero when the loop itself runs inside a graph (`in_graph`). `kernels`: kernels in the loop's body.
+    None when the program has no while loop."""
+    rows = [(len(m.group(1)), m.group(2)) for m in map(_THUNK.match, thunks_text.splitlines()) if m]
+    first = next((i for i, (_, kind) in enumerate(rows) if kind == "kWhile"), None)
+    if first is None:
+        return None
+    depth = rows[first][0]
+    in_graph = any(kind == "kCommandBuffer" and d < depth for d, kind in rows[:first])
+    inside = []
+    for d, kind in rows[first + 1:]:
+        if d <= depth:
+            break
+        inside.append((d, kind))
+    top = min((d for d, _ in inside), default=depth)
+    direct = [kind for d, kind in inside if d == top]  # the condition's and the body's own commands
+    kernels = sum(kind in ("kKernel", "kCustomKernel", "kGemm", "kCublasLtMatmul", "kCuDnn", "kCustomCall")
+                  for _, kind in inside)
+    if in_graph:
+        return dict(in_graph=True, launches=0, graphs=0, syncs=0, kernels=kernels)
+    return dict(in_graph=False, launches=len(direct), graphs=direct.count("kCommandBuffer"), syncs=1,
+                kernels=kernels)
+
+
+def _compile_with_thunks(lowered, options: dict):
+    """Compile with XLA's dump on (a temporary directory): (executable, thunk sequence text or '')."""
+    import glob
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        exe = lowered.compile(compiler_options={**options, "xla_dump_to": d})
+        files = sorted(glob.glob(os.path.join(d, "*thunk_sequence_after_thunk_passes.txt"))) or sorted(
+            glob.glob(os.path.join(d, "*thunk_sequence.txt")))
+        text = open(files[-1]).read() if files else ""
+    return exe, text
 
 
 def _compiler_version(accelerator: str) -> str:
@@ -531,7 +580,8 @@ def roofline_s(cost: dict, acc: dict) -> float:
 def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: int = 1, prompt_len: int = 64,
             max_new_tokens: int = 256, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
             draft_vocab: int = 32000, tau: float = 4.5, accelerator: str = "h200", kernels: bool = True,
-            attention: str = "xla", compile_for: str | None = None, dump_hlo: str | None = None) -> dict:
+            attention: str = "xla", compile_for: str | None = None, dump_hlo: str | None = None,
+            gpu_graphs: str | None = None) -> dict:
     """The report for one shape, batch and tree (see the module docstring). attention="pallas":
     the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered for the
     platform of `compile_for` (or else the accelerator's: GPU Triton, TPU Mosaic); its
@@ -540,7 +590,9 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     compile the programs with XLA's compiler for that device here (placement; the CUDA plugin or
     libtpu needed) and add their fused HBM bytes and kernels (hbm_traffic; for a GPU also with its
     L2) as "compiled" rows, the step and round as one trip of the decode loops; dump_hlo: a
-    directory for the compiled HLO."""
+    directory for the compiled HLO. For a GPU the decode loops compile with the CUDA-graph mode
+    `gpu_graphs` (eagle2_jax.defaults.gpu_graphs) and the report adds what the host launches and
+    waits for per trip (loop_launches)."""
     import jax
     import numpy as np
     import eagle2_jax as e2
@@ -617,7 +669,13 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         for k, lo in lower_all(base, on=placement(compile_for), per_layer=runs_per_layer)[0].items():
             if k in ("step", "round"):
                 continue  # one trip of their loops stands for them
-            exe = lo.compile()
+            launches = None
+            if compile_for in GPU_TARGETS and k.endswith("_loop"):  # CUDA graphs: read from the thunks
+                from eagle2_jax.defaults import gpu_graph_options
+                exe, thunks = _compile_with_thunks(lo, gpu_graph_options(gpu_graphs))
+                launches = loop_launches(thunks) if thunks else None
+            else:
+                exe = lo.compile()
             if dump_hlo:  # the compiled programs, to see where the bytes go (hbm_traffic(text, top=20))
                 import gzip
                 import os
@@ -626,6 +684,8 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
                     f.write(exe.as_text())
             k = k.removesuffix("_loop")
             cost[k]["compiled"] = hbm_traffic(exe.as_text(), loop=k in ("step", "round"))
+            if launches is not None:
+                cost[k]["compiled"]["host"] = launches
             if compile_for in GPU_TARGETS:  # and with what fits the GPU's L2 kept there between kernels
                 cost[k]["compiled"]["bytes_l2"] = hbm_traffic(exe.as_text(), loop=k in ("step", "round"),
                                                               l2_bytes=GPU_TARGETS[compile_for]["l2"])["bytes"]
@@ -661,6 +721,9 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
                                    speedup_l2=tau * t_step_l2 / t_round_l2,
                                    bytes_l2=rnd["compiled"]["bytes_l2"] / step["compiled"]["bytes_l2"])
         meta["compiled_with"] = _compiler_version(compile_for)
+        if compile_for in GPU_TARGETS:
+            from eagle2_jax.defaults import gpu_graphs as _mode
+            meta["gpu_graphs"] = _mode(gpu_graphs)
     return {**out, "step": step, "round": {**rnd, "parts": parts},
             "roofline": {"accelerator": accelerator, "tau": tau, "speedup": tau * t_step / t_round,
                          "step_ms": t_step * 1e3, "round_ms": t_round * 1e3,
@@ -711,6 +774,13 @@ def format_report(r: dict) -> str:
                 f" {gb(x['bytes_l2'])} | {x['bytes_l2'] / s['bytes_l2']:.2f}x |" if l2 else ""))
         lines += ["", f"round / step: bytes {c['bytes']:.2f}x, kernels {c['kernels']:.2f}x; roofline: step "
                       f"{c['step_ms']:.3f} ms, round {c['round_ms']:.3f} ms; at tau {c['tau']}: speedup {c['speedup']:.2f}x"]
+        host = [(n, row["compiled"]["host"]) for n, row in (("step", step), ("round", r["round"]))
+                if "host" in row["compiled"]]
+        if host:  # CUDA graphs: what the host issues and waits for per trip of the decode loops
+            lines.append(f"CUDA graphs ({m.get('gpu_graphs')}), per trip of the decode loop: " + "; ".join(
+                f"{n}: the loop runs inside one graph ({h['kernels']} kernels), no launch or wait" if h["in_graph"] else
+                f"{n}: {h['launches']} launches ({h['graphs']} graphs, {h['kernels']} kernels in the body) "
+                f"and {h['syncs']} wait for the device" for n, h in host))
         if l2:
             lines.append(f"with intermediates of up to {GPU_TARGETS[c['for']]['l2'] // 2**21} MiB kept in L2: bytes "
                          f"{c['bytes_l2']:.2f}x; roofline: step {c['step_ms_l2']:.3f} ms, round {c['round_ms_l2']:.3f} ms; "

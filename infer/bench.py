@@ -48,6 +48,10 @@ def parse(argv=None):
     ap.add_argument("--attention", choices=["xla", "pallas"], default="xla",
                     help="pallas: attention as one Pallas kernel reading only the live cache blocks (GPU/TPU; "
                          "eagle2_jax.pallas, not yet measured on a device, so not the default)")
+    ap.add_argument("--gpu-graphs", choices=["body", "loop", "off"], default=None,
+                    help="GPU: CUDA graphs of the on-device decode loop (default $EAGLE2_JAX_GPU_GRAPHS, else body: "
+                         "XLA's own, one graph per step or round with the host waiting on the loop condition each "
+                         "time; loop: the whole loop in one graph, no wait; off: none). Outputs are the same")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="auto: float32 on CPU, bfloat16 on GPU/TPU")
     ap.add_argument("--no-packed", dest="packed", action="store_false",
@@ -149,6 +153,9 @@ def render(tok, messages):
 
 def main(argv=None):
     args = parse(argv)
+    if args.gpu_graphs:  # read when the decode loop compiles (eagle2_jax.defaults.gpu_graphs)
+        from eagle2_jax.defaults import GPU_GRAPHS_SWITCH
+        os.environ[GPU_GRAPHS_SWITCH] = args.gpu_graphs
     from tqdm import tqdm
     from eagle2_jax.programs import enable_compile_cache
     enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
@@ -279,6 +286,9 @@ def _summary(rows, runners, args, tree, warm, target):
     summary["settings"] = settings(args, runners, tree)
     module = getattr(target, "module", None)  # (test doubles have none)
     summary["cpu_kernels"] = getattr(getattr(module, "ops", None), "name", "") == "cpu"  # eagle2_jax.cpu in use
+    from eagle2_jax.defaults import gpu_graphs, platform
+    if platform() == "gpu":  # timings depend on it, answers do not
+        summary["gpu_graphs"] = gpu_graphs()
     return summary
 
 
@@ -339,7 +349,8 @@ def _rate(rows, method, keys):
 def markdown(s):
     lines = [f"questions: {os.path.basename(s['questions'])}, max_new_tokens {s['max_new_tokens']}, "
              f"temperature {s['temperature']}, batch {s['batch']}, tree {s['tree']}"
-             + (f", few-row CPU kernels {'on' if s['cpu_kernels'] else 'off'}" if "cpu_kernels" in s else ""), "",
+             + (f", few-row CPU kernels {'on' if s['cpu_kernels'] else 'off'}" if "cpu_kernels" in s else "")
+             + (f", CUDA graphs {s['gpu_graphs']}" if "gpu_graphs" in s else ""), "",
              "| method | new tokens | seconds | tokens/s | tau | compile s (excluded) |", "|---|---|---|---|---|---|"]
     for m, d in s["methods"].items():
         tau = f"{d['tau']:.2f}" if "tau" in d else "-"

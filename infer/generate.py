@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--attention", choices=["xla", "pallas"], default="xla",
                     help="pallas: attention as one Pallas kernel reading only the live cache blocks (GPU/TPU; "
                          "eagle2_jax.pallas, not yet measured on a device, so not the default)")
+    ap.add_argument("--gpu-graphs", choices=["body", "loop", "off"], default=None,
+                    help="GPU: CUDA graphs of the on-device decode loop (default $EAGLE2_JAX_GPU_GRAPHS, else body: "
+                         "XLA's own, one graph per step or round with the host waiting on the loop condition each "
+                         "time; loop: the whole loop in one graph, no wait; off: none), used with --no-stream or "
+                         "several prompts (a streamed prompt is stepped from the host). Outputs are the same")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="parameter and cache dtype; auto: float32 on CPU, bfloat16 on GPU/TPU")
     ap.add_argument("--no-packed", dest="packed", action="store_false",
@@ -93,6 +98,9 @@ def tree_for(args, draft, target=None, prompts=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.gpu_graphs:  # read when the decode loop compiles (eagle2_jax.defaults.gpu_graphs)
+        from eagle2_jax.defaults import GPU_GRAPHS_SWITCH
+        os.environ[GPU_GRAPHS_SWITCH] = args.gpu_graphs
     from eagle2_jax.programs import enable_compile_cache
     enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
     from eagle2_jax import CheckpointError, generate, generate_vanilla, load_draft, load_target, parse_mesh

@@ -90,6 +90,11 @@ def parse(argv=None):
                     help="with --compile-for: write each compiled program's HLO to DIR/<program>.hlo.gz (DIR/b<batch>_n<N>/ "
                          "for several shapes) "
                          "(infer.analytic.hbm_traffic(text, top=20) lists the costliest kernels)")
+    an.add_argument("--gpu-graphs", choices=["body", "loop", "off"], default=None,
+                    help="with --compile-for a GPU: the decode loops' CUDA graphs (eagle2_jax.defaults; default "
+                         "$EAGLE2_JAX_GPU_GRAPHS, else body: XLA's own, one graph per trip, the host waiting on the "
+                         "loop condition every trip; loop: the whole loop in one graph; off: none); the report says "
+                         "what the host launches and waits for per trip")
     an.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="skip compiling for kernel counts (bytes and FLOPs only)")
     an.add_argument("--json", default=None, help="write the report(s) as JSON")
@@ -106,7 +111,7 @@ def analytic_main(args):
         r = analyze(model,
                     "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
                     args.draft_vocab, args.tau, args.accelerator, args.kernels and not args.compile_for,
-                    args.attention, args.compile_for, dump)
+                    args.attention, args.compile_for, dump, args.gpu_graphs)
         print(format_report(r) + "\n", flush=True)
         reports.append(r)
     if args.json:

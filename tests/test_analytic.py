@@ -192,6 +192,73 @@ def test_compile_for_a_gpu_without_one(shape):
     assert abs(r["compiled"]["bytes_l2"] - rnd["bytes_l2"] / step["bytes_l2"]) < 1e-9 and r["compiled"]["speedup_l2"] > 0
     text = format_report(r)
     assert "compiled by XLA for NVIDIA H200" in text and "kept in L2" in text
+    # CUDA graphs, XLA's default: each trip's body one graph, the host waits on the condition every trip
+    for h in (step["host"], rnd["host"]):
+        assert not h["in_graph"] and h["graphs"] >= 1 and h["syncs"] == 1 and h["kernels"] > 0
+    assert rnd["host"]["kernels"] > step["host"]["kernels"] and "1 wait for the device" in text
+    loop = analyze(shape(2), "bfloat16", 1, 8, 16, 2, 3, 6, 128, 2.5, "h200", kernels=False, compile_for="h200",
+                   gpu_graphs="loop")
+    for k in ("step", "round"):  # the whole loop in one graph: nothing per trip
+        h = loop[k]["compiled"]["host"]
+        assert h["in_graph"] and h["launches"] == h["syncs"] == 0 and h["kernels"] == r[k]["compiled"]["host"]["kernels"]
+    assert "runs inside one graph" in format_report(loop)
+
+
+# XLA's thunk sequences as its dump writes them (trimmed): a decode loop whose body is one graph (XLA's
+# default), the whole loop inside a graph (WHILE commands on), and no graphs at all
+_BODY_GRAPH = """000: kCommandBuffer [source       | next=065 (1)]
+    001: kCustomKernel [source | sink] wrapped_transpose grid: [1024, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes
+065: kWhile         [prev=000 (1) | sink        ]
+condition:
+    066: kCustomKernel [source | sink] wrapped_not grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    000: kCommandBuffer [source | sink]
+        067: kCopy         [source       | next=068 (1)  ] kCopy
+        068: kCustomKernel [prev=067 (1) | next=069 (1)] loop_add_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+        069: kCustomKernel [prev=068 (1) | sink] gemm_fusion_dot grid: [2048, 1, 1] threads: [64, 1, 1]  shared_memory: 768 bytes
+"""
+_LOOP_GRAPH = """000: kCommandBuffer [source | sink]
+    001: kCopy  [source       | next=003 (2)] kCopy
+    003: kWhile [prev=002 (1) | sink        ]
+condition:
+        004: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+      body:
+        005: kCustomKernel [source       | sink        ] loop_add_fusion_1 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+        006: kCustomKernel [source       | next=007 (1)] gemm_fusion_dot grid: [2048, 1, 1] threads: [64, 1, 1]  shared_memory: 768 bytes
+"""
+_NO_GRAPH = """001: kCopy  [source       | next=003 (2)] kCopy
+003: kWhile [prev=002 (1) | sink        ]
+condition:
+    004: kCustomKernel [source | sink] loop_and_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+  body:
+    005: kCustomKernel [source       | sink        ] loop_add_fusion_1 grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
+    006: kCustomKernel [source       | next=007 (1)] gemm_fusion_dot grid: [2048, 1, 1] threads: [64, 1, 1]  shared_memory: 768 bytes
+    007: kCopy  [source       | sink] kCopy
+"""
+
+
+def test_loop_launches_reads_what_the_host_does_per_trip():
+    from infer.analytic import loop_launches
+    # the condition kernel and the body's graph each trip, then the wait on the copied condition
+    assert loop_launches(_BODY_GRAPH) == dict(in_graph=False, launches=2, graphs=1, syncs=1, kernels=3)
+    assert loop_launches(_LOOP_GRAPH) == dict(in_graph=True, launches=0, graphs=0, syncs=0, kernels=3)
+    assert loop_launches(_NO_GRAPH) == dict(in_graph=False, launches=4, graphs=0, syncs=1, kernels=3)
+    assert loop_launches(_NO_GRAPH.split("003:")[0]) is None  # no loop
+
+
+def test_decode_loops_take_the_cuda_graph_mode_on_gpu(monkeypatch):
+    from eagle2_jax import eagle, vanilla
+    from eagle2_jax.defaults import GPU_GRAPHS_SWITCH, gpu_graph_options
+    assert gpu_graph_options("body") == {}  # XLA's own default
+    assert gpu_graph_options("off") == {"xla_gpu_enable_command_buffer": ""}
+    assert "WHILE" in gpu_graph_options("loop")["xla_gpu_enable_command_buffer"].split(",")
+    monkeypatch.setenv(GPU_GRAPHS_SWITCH, "loop")
+    for p in (eagle.LOOP, vanilla.LOOP):
+        assert p.compiler_options("gpu") == gpu_graph_options("loop") and p.compiler_options("cpu") == {}
+    assert eagle.STREAM_STEP.compiler_options("gpu") == {} and eagle.PREFILL.compiler_options("gpu") == {}
+    monkeypatch.setenv(GPU_GRAPHS_SWITCH, "always")
+    with pytest.raises(ValueError, match="EAGLE2_JAX_GPU_GRAPHS must be one of body, loop, off"):
+        eagle.LOOP.compiler_options("gpu")
 
 
 def test_hbm_traffic_does_not_charge_a_library_calls_workspace():
