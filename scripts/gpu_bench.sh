@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 5 and 22, for a lent accelerator, in two calls on one warm machine (under 9
-# minutes together on one H200 is the aim; every step has a timeout):
+# The GPU checks of issues 5 and 22, for a lent accelerator, in two calls on one warm machine (within 9
+# minutes together on one H200: call a has a 300 s budget, call b 240 s, BUDGET=<s> to change; steps run
+# in order of priority, each under a timeout, and a step that no longer fits is skipped with a note):
 #
 #   bash scripts/gpu_bench.sh prepare   # here, once: fill .gpu/ (below; .gitignore keeps it out of git)
 #   bash scripts/gpu_bench.sh a    # lossless tests on the GPU; the Llama-3.1-8B shape (random bf16 weights,
-#                                  # random head with a 32K draft vocabulary): compile seconds, plain step and
-#                                  # round ms at N = 16, 32, 60 (per-layer weight buffers, the GPU default);
-#                                  # N = 60 with the layers scanned (EAGLE2_JAX_LAYERS=scan); N = 60 with the Pallas
-#                                  # attention kernel (EAGLE2_JAX_ATTENTION=pallas) and the kernel's tests; with the
-#                                  # time left of 9 minutes, N = 60 at a 4,000-token prompt, Pallas then XLA attention
+#                                  # random head with a 32K draft vocabulary): plain step and round ms at
+#                                  # N = 16, 32, 60 and the round's compile seconds (per-layer weight buffers, the
+#                                  # GPU default); the Pallas attention kernel's tests and N = 60 with it; N = 60
+#                                  # at a 4,000-token prompt, Pallas then XLA attention; N = 60 with the layers
+#                                  # scanned (EAGLE2_JAX_LAYERS=scan); every program's compile seconds
 #   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head, reference tree 5/10/60: infer.bench on
-#                                  # the first 20 MT-bench first turns (plain vs EAGLE-2, tau, greedy identity)
+#                                  # the first 20 MT-bench first turns (plain vs EAGLE-2, tau, greedy identity),
+#                                  # the first 8 again with the decode loops in one CUDA graph (--gpu-graphs loop
+#                                  # against XLA's default body), the first 16 at batch 4
 #
 # Nothing can be downloaded there, so the files travel: .gpu/ (in .gitignore) holds the gguf wheel
 # (.gpu/whl), the question file (.gpu/data/mt_bench.jsonl) and the 98 MB SmolLM2 GGUF split in two halves
@@ -49,61 +52,76 @@ RC_MODEL=${RC_MODEL:-random:llama-3.1-8b}   # (a dry run here: RC_MODEL=random:s
 LIMIT=${LIMIT:-}
 NEW=${NEW:-256}
 stamp() { echo "=== [$SECONDS s] $*"; }
+# Each call has a budget (the lent device's time is short: 15 minutes for a session, machine start
+# included): a step runs under the smaller of its own cap and what is left, in order of priority, and is
+# skipped when under 30 s are left.
+[ "$PHASE" = a ] && BUDGET=${BUDGET:-300} || BUDGET=${BUDGET:-240}
+budget() { # cap, what: sets T to the step's timeout; false (with a note) when too little is left
+  local left=$(( BUDGET - SECONDS )); T=$(( left < $1 ? left : $1 ))
+  if [ $T -lt 30 ]; then stamp "skipped: $2 (${left}s left of ${BUDGET}s)"; return 1; fi
+  stamp "$2 (timeout ${T}s)"
+}
 
 if [ "$PHASE" = a ]; then
   cp .gpu/a/model.part /tmp/model/a.part
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, \
 'optax', optax.__version__, 'transformers', transformers.__version__); print(jax.devices())"
-  stamp "lossless tests on the GPU (tiny random float32 models: EAGLE-2 greedy identity grid, batch, EOS)"
-  timeout 120 python3 -m pytest -x -q -p no:cacheprovider tests/test_eagle_greedy.py \
-    -k "greedy_identity_grid or batch_equals or eos_mid_round" 2>&1 | tail -4
-  stamp "compile seconds: the 8B shape's programs at 32 layers, abstract params (layers are scanned)"
-  timeout 150 python3 -m infer.compile_report --model "$RC_MODEL" --dtype bfloat16 --layers 32 \
-    --json "$OUT/compile_report.json"
-  stamp "round cost: random Llama-3.1-8B shape, bfloat16, random head (times only), batch 1"
-  timeout 240 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 --depth 5 \
-    --top-k 10 --total-tokens 16,32,60 --parts round --repeats 10 --calibration-rounds 1 --calibration-prompts 1 \
-    --out /tmp/res/rc8b 2>&1 | grep -v "batch sizes"
-  cp /tmp/res/rc8b/roundcost.json "$OUT/rc8b.json" 2>/dev/null
-  stamp "the same at N = 60 with the layers scanned over stacked weights (per-layer buffers are the GPU default)"
-  EAGLE2_JAX_LAYERS=scan timeout 120 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 \
-    --depth 5 --top-k 10 --total-tokens 60 --parts round --repeats 10 --calibration-rounds 1 --calibration-prompts 1 \
-    --out /tmp/res/rc8b_scan 2>&1 | grep -v "batch sizes"
-  cp /tmp/res/rc8b_scan/roundcost.json "$OUT/rc8b_scan.json" 2>/dev/null
-  stamp "the Pallas tree-attention kernel (opt-in): its tests on the GPU (Triton), then the 8B round at N = 60 with it"
-  timeout 60 python3 -m pytest -x -q -p no:cacheprovider tests/test_pallas.py -k "equals or bfloat16 or lossless" 2>&1 | tail -3
-  EAGLE2_JAX_ATTENTION=pallas timeout 120 python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 \
-    --depth 5 --top-k 10 --total-tokens 60 --parts round --repeats 10 --calibration-rounds 1 --calibration-prompts 1 \
-    --out /tmp/res/rc8b_pallas 2>&1 | grep -v "batch sizes"
-  cp /tmp/res/rc8b_pallas/roundcost.json "$OUT/rc8b_pallas.json" 2>/dev/null
-  # what is left of the call's 9 minutes: a 4,000-token prompt (6,144-slot cache), where the Pallas kernel
-  # splits each (row, KV head) cache walk over 12 programs (flash-decoding) and the XLA attention's
-  # float32 scores outgrow the L2
+  RC="python3 -m infer.roundcost --model $RC_MODEL --dtype bfloat16 --depth 5 --top-k 10 --parts round --repeats 10 \
+      --calibration-rounds 1 --calibration-prompts 1"
+  if budget 60 "lossless tests on the GPU (tiny random float32 models: EAGLE-2 greedy identity grid, batch, EOS)"; then
+    timeout $T python3 -m pytest -x -q -p no:cacheprovider tests/test_eagle_greedy.py \
+      -k "greedy_identity_grid or batch_equals or eos_mid_round" 2>&1 | tail -4
+  fi
+  # the round program's first call (compile + one run) is in the JSON as round_compile_s
+  if budget 150 "round cost: random Llama-3.1-8B shape, bfloat16, random head (times only), batch 1, N = 16, 32, 60"; then
+    timeout $T $RC --batch 1 --total-tokens 16,32,60 --out /tmp/res/rc8b 2>&1 | grep -v "batch sizes"
+    cp /tmp/res/rc8b/roundcost.json "$OUT/rc8b.json" 2>/dev/null
+  fi
+  if budget 60 "the Pallas tree-attention kernel (opt-in): its tests on the GPU (Triton)"; then
+    timeout $T python3 -m pytest -x -q -p no:cacheprovider tests/test_pallas.py -k "equals or bfloat16 or lossless" 2>&1 | tail -3
+  fi
+  if budget 90 "the 8B round at N = 60 with the Pallas kernel"; then
+    EAGLE2_JAX_ATTENTION=pallas timeout $T $RC --batch 1 --total-tokens 60 --out /tmp/res/rc8b_pallas 2>&1 | grep -v "batch sizes"
+    cp /tmp/res/rc8b_pallas/roundcost.json "$OUT/rc8b_pallas.json" 2>/dev/null
+  fi
+  # a 4,000-token prompt (6,144-slot cache), where the Pallas kernel splits each (row, KV head) cache walk
+  # over 12 programs (flash-decoding) and the XLA attention's float32 scores outgrow the L2
   for att in pallas xla; do
-    left=$(( 540 - SECONDS ))
-    if [ $left -lt 60 ]; then stamp "skipped: 4K context with $att attention (${left}s left)"; continue; fi
-    stamp "round cost at a 4,000-token prompt, N = 60, $att attention (timeout ${left}s)"
-    EAGLE2_JAX_ATTENTION=$att timeout $left python3 -m infer.roundcost --model "$RC_MODEL" --dtype bfloat16 --batch 1 \
-      --prompt-len 4000 --depth 5 --top-k 10 --total-tokens 60 --parts round --repeats 10 --calibration-rounds 1 \
-      --calibration-prompts 1 --out /tmp/res/rc8b_4k_$att 2>&1 | grep -v "batch sizes"
-    cp /tmp/res/rc8b_4k_$att/roundcost.json "$OUT/rc8b_4k_$att.json" 2>/dev/null
+    if budget 90 "round cost at a 4,000-token prompt, N = 60, $att attention"; then
+      EAGLE2_JAX_ATTENTION=$att timeout $T $RC --batch 1 --prompt-len 4000 --total-tokens 60 --out /tmp/res/rc8b_4k_$att \
+        2>&1 | grep -v "batch sizes"
+      cp /tmp/res/rc8b_4k_$att/roundcost.json "$OUT/rc8b_4k_$att.json" 2>/dev/null
+    fi
   done
+  if budget 90 "the same at N = 60 with the layers scanned over stacked weights (per-layer buffers are the GPU default)"; then
+    EAGLE2_JAX_LAYERS=scan timeout $T $RC --batch 1 --total-tokens 60 --out /tmp/res/rc8b_scan 2>&1 | grep -v "batch sizes"
+    cp /tmp/res/rc8b_scan/roundcost.json "$OUT/rc8b_scan.json" 2>/dev/null
+  fi
+  if budget 150 "compile seconds of every program at the 8B shape, 32 layers, abstract params"; then
+    timeout $T python3 -m infer.compile_report --model "$RC_MODEL" --dtype bfloat16 --layers 32 --json "$OUT/compile_report.json"
+  fi
   stamp "done a"
 else
   if [ ! -f /tmp/model/a.part ]; then echo "no /tmp/model/a.part: the machine was not the one call a ran on"; exit 3; fi
   cat /tmp/model/a.part .gpu/b/model.part > "$GGUF"
   md5sum "$GGUF"  # a1231443440b107ff29f02bdb38c9d0a
   export JAX_DEFAULT_MATMUL_PRECISION=highest  # float32 matmuls in float32, not TF32
-  stamp "bench: first 20 MT-bench first turns, T=0, batch 1, reference tree 5/10/60, float32"
-  timeout 240 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" \
-    --methods plain,eagle --dtype float32 --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens $NEW \
-    --limit ${LIMIT:-20} --out /tmp/res/t0 2>&1 | grep -v "^bench:"
-  cp /tmp/res/t0/results.json "$OUT/bench_t0.json" 2>/dev/null
-  stamp "bench: first 16, T=0, batch 4"
-  timeout 90 python3 -m infer.bench --model "$GGUF" --draft smollm2-135m-instruct --questions "$QS" --limit ${LIMIT:-16} \
-    --methods plain,eagle --batch 4 --dtype float32 --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens $NEW \
-    --out /tmp/res/b4 2>&1 | grep -v "^bench:"
-  cp /tmp/res/b4/results.json "$OUT/bench_b4.json" 2>/dev/null
+  BENCH="python3 -m infer.bench --model $GGUF --draft smollm2-135m-instruct --questions $QS --methods plain,eagle \
+         --dtype float32 --depth 5 --top-k 10 --total-tokens 60 --max-new-tokens $NEW"
+  if budget 150 "bench: first 20 MT-bench first turns, T=0, batch 1, reference tree 5/10/60, float32 (CUDA graphs: body, XLA's default)"; then
+    timeout $T $BENCH --limit ${LIMIT:-20} --gpu-graphs body --out /tmp/res/t0 2>&1 | grep -v "^bench:"
+    cp /tmp/res/t0/results.json "$OUT/bench_t0.json" 2>/dev/null
+  fi
+  # the whole decode loop in one CUDA graph: no host wait per step or round (per-question rows in the JSON
+  # compare with the first questions of the run above)
+  if budget 90 "bench: the first 8 of them with the decode loops in one CUDA graph (--gpu-graphs loop)"; then
+    timeout $T $BENCH --limit ${LIMIT:-8} --gpu-graphs loop --out /tmp/res/t0_loop 2>&1 | grep -v "^bench:"
+    cp /tmp/res/t0_loop/results.json "$OUT/bench_t0_loop.json" 2>/dev/null
+  fi
+  if budget 90 "bench: first 16, T=0, batch 4"; then
+    timeout $T $BENCH --limit ${LIMIT:-16} --batch 4 --out /tmp/res/b4 2>&1 | grep -v "^bench:"
+    cp /tmp/res/b4/results.json "$OUT/bench_b4.json" 2>/dev/null
+  fi
   stamp "done b"
 fi
