@@ -156,8 +156,8 @@ def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, arc
 
 def check_aux_layers(aux_layers: tuple, target_config: ModelConfig):
     L = target_config.num_hidden_layers
-    if len(aux_layers) != 3 or any(not (0 <= int(i) < L) for i in aux_layers):
-        raise ValueError(f"EAGLE-3 aux layers must be three target layer indices in [0, {L}), got {aux_layers}")
+    if len(aux_layers) != 3 or any(not (0 <= int(i) <= L) for i in aux_layers):  # L: after the last layer
+        raise ValueError(f"EAGLE-3 aux layers must be three target layer indices in [0, {L}], got {aux_layers}")
 
 
 def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, local_mask, offset: int = 0,

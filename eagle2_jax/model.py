@@ -120,7 +120,7 @@ class Llama(nn.Module):
         cache slot at all, only the new tokens. Returns (features [B,T,D] after the final norm,
         cache with the new keys/values written; its length is unchanged), and with `aux_layers`
         also the hidden states entering those layers, concatenated [B,T,A*D] (an EAGLE-3 head's
-        input features).
+        input features; index num_hidden_layers: the stream leaving the last layer, before the norm).
         """
         c, ops = self.config, self.ops
         x0 = self.embed_tokens(tokens_BT)
@@ -165,6 +165,8 @@ class Llama(nn.Module):
         feats = rms_norm(ops, self.norm, x, c.rms_norm_eps)
         if not A:
             return feats, cache
+        # index L: the stream leaving the last layer (before the final norm)
+        aux = keep_aux(aux, x, jnp.int32(c.num_hidden_layers))
         return feats, cache, jnp.concatenate(list(aux), axis=-1)
 
     def init_all(self, tokens_BT):

@@ -779,7 +779,8 @@ def format_report(r: dict) -> str:
         if host:  # CUDA graphs: what the host issues and waits for per trip of the decode loops
             lines.append(f"CUDA graphs ({m.get('gpu_graphs')}), per trip of the decode loop: " + "; ".join(
                 f"{n}: the loop runs inside one graph ({h['kernels']} kernels), no launch or wait" if h["in_graph"] else
-                f"{n}: {h['launches']} launches ({h['graphs']} graphs, {h['kernels']} kernels in the body) "
+                f"{n}: {h['launches']} launches ({h['graphs']} graph{'s' * (h['graphs'] != 1)}, {h['kernels']} kernels in "
+                f"the body) "
                 f"and {h['syncs']} wait for the device" for n, h in host))
         if l2:
             lines.append(f"with intermediates of up to {GPU_TARGETS[c['for']]['l2'] // 2**21} MiB kept in L2: bytes "

@@ -189,6 +189,30 @@ def test_eagle3_head_is_lossless_greedy(tree, accel):
     assert out.tokens == e2.generate_vanilla(target, prompts, max_new_tokens=24).tokens
 
 
+@pytest.mark.parametrize("accel", [False, True], ids=["cpu_ops", "xla_ops"])
+def test_aux_layer_after_the_last_is_the_stream_before_the_final_norm(accel):
+    """Aux index L (= the number of layers) reads the stream leaving the last layer: the final
+    norm of it gives the target's features; a head reading it stays lossless."""
+    target = _target(seed=4)
+    draft = e2.init_draft(target, 5, arch="eagle3", draft_vocab_size=VD, aux_layers=(1, 2, 4))
+    if accel:
+        target, draft = per_layer(dataclasses.replace(target, ops=XLA)), dataclasses.replace(draft, ops=XLA)
+    ids = jnp.asarray([[3, 1, 4, 1, 5, 9]])
+    cache = init_cache(4, 1, 16, NKV, HD, jnp.float32)
+    feats, _, aux = target_apply(target.module, target.params, ids, jnp.arange(6)[None], cache, causal_mask(1, 6),
+                                 aux_layers=draft.aux_layers)
+    x = np.asarray(aux[0, :, 2 * H:], np.float64)  # the third slot: index 4 of a 4-layer target
+    w = np.asarray(target.params["norm"]["scale"], np.float64)
+    normed = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(normed, np.asarray(feats[0]), rtol=1e-4, atol=1e-5)
+    assert not np.allclose(np.asarray(aux[0, :, H:2 * H]), x, atol=1e-3)  # layer 2's input is another stream
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    out = e2.generate(target, draft, prompts, max_new_tokens=16, tree=e2.TreeConfig(3, 3, 8))
+    assert out.tokens == e2.generate_vanilla(target, prompts, max_new_tokens=16).tokens
+    with pytest.raises(ValueError, match=r"in \[0, 4\], got \(1, 2, 5\)"):
+        e2.init_draft(target, 5, arch="eagle3", draft_vocab_size=VD, aux_layers=(1, 2, 5))
+
+
 def test_save_eagle3_round_trip_gives_identical_trees(tmp_path):
     target = _target(seed=4)
     sd = published_head(np.random.default_rng(4))

@@ -504,7 +504,7 @@ def test_eagle3_aux_layers_are_chosen_and_re_pointed(tiny_run):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
     assert generate(t, b, prompts, max_new_tokens=12).tokens == generate_vanilla(t, prompts, max_new_tokens=12).tokens
-    with pytest.raises(SystemExit, match=r"aux-layers 0,1,2: EAGLE-3 aux layers must be three target layer indices in \[0, 2\)"):
-        tdraft.main(_args(root, tdir, data, "aux_bad", 1, base + ["--aux-layers", "0,1,2"]))
+    with pytest.raises(SystemExit, match=r"aux-layers 0,1,3: EAGLE-3 aux layers must be three target layer indices in \[0, 2\]"):
+        tdraft.main(_args(root, tdir, data, "aux_bad", 1, base + ["--aux-layers", "0,1,3"]))
     with pytest.raises(SystemExit, match="is for an EAGLE-3 head"):
         tdraft.main(_args(root, tdir, data, "aux_bad2", 1, ["--aux-layers", "0,1,1"]))
