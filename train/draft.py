@@ -37,7 +37,8 @@ LM-head columns the target's, mapped as the head's trained ones are), and a draf
 that head's weights (`data_order_seed`): a chain of runs, each from the last one's export, would
 otherwise train the same first batches in every run (a fresh optimiser and warmup each time).
 `aux_layers: 2,15,29` (eagle3) picks the target layers whose entering streams `fc` fuses (default:
-the `init_from` head's, else 2, L/2, L-3 as the published heads); from a head that reads other
+the `init_from` head's, else 2, L/2, L-3 as the published heads; L itself: the stream leaving the last
+layer, before the final norm, which the EAGLE-2 head reads normed); from a head that reads other
 layers, its weights start the run and fc's three input blocks read the new layers (the feature cache
 is per set of layers). `time_limit` (minutes, 0: none) ends training after that much wall time (the feature cache not
 counted) and exports the head as it is then, as if `steps` had been reached; a rerun resumes.
