@@ -165,8 +165,8 @@ class Llama(nn.Module):
         feats = rms_norm(ops, self.norm, x, c.rms_norm_eps)
         if not A:
             return feats, cache
-        # index L: the stream leaving the last layer (before the final norm)
-        aux = keep_aux(aux, x, jnp.int32(c.num_hidden_layers))
+        if c.num_hidden_layers in aux_layers:  # index L: the stream leaving the last layer (before the norm)
+            aux = keep_aux(aux, x, jnp.int32(c.num_hidden_layers))
         return feats, cache, jnp.concatenate(list(aux), axis=-1)
 
     def init_all(self, tokens_BT):
