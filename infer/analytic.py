@@ -678,7 +678,6 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
                 exe = lo.compile()
             if dump_hlo:  # the compiled programs, to see where the bytes go (hbm_traffic(text, top=20))
                 import gzip
-                import os
                 os.makedirs(dump_hlo, exist_ok=True)
                 with gzip.open(os.path.join(dump_hlo, f"{k}.hlo.gz"), "wt") as f:
                     f.write(exe.as_text())
