@@ -86,6 +86,9 @@ _SHAPE = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|u16|f32|s32|u32|f64|s64|u64)\[(
 _INST = re.compile(r"(?:ROOT )?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
          "partition-id", "replica-id", "opt-barrier"}
+# custom calls XLA's TPU compiler leaves in place that run no kernel: the pieces of a sliced copy
+# reassembled by a bitcast (memory-space assignment's ConcatBitcast), a buffer allocation, a marker
+_NO_WORK_CALL = re.compile(r'custom_call_target="(ConcatBitcast|AllocateBuffer|AssumeGatherIndicesInBound)"')
 _MOVES = {"slice", "dynamic-slice", "gather", "scatter", "dynamic-update-slice", "concatenate", "transpose",
           "broadcast", "pad", "reverse", "copy", "reshape"}
 KINDS = ("matmul", "kernel", "reduce", "data movement", "elementwise")  # breakdown classes, in report order
@@ -511,7 +514,7 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
                 if l2 is not None:  # (its source was read in HBM)
                     nbytes += l2.nested(by_name.get(args[0], ins) if args else ins, moved)
                 continue  # (an asynchronous copy: a DMA beside the kernels, not one of them)
-            if op in _FREE:
+            if op in _FREE or (op == "custom-call" and _NO_WORK_CALL.search(line)):
                 continue
             if op == "while":
                 n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)

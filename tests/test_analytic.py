@@ -261,6 +261,35 @@ def test_decode_loops_take_the_cuda_graph_mode_on_gpu(monkeypatch):
         eagle.LOOP.compiler_options("gpu")
 
 
+_SLICED_COPY = """HloModule m, is_scheduled=true
+
+%f (a: f32[8,256]) -> f32[8,256] {
+  %a = f32[8,256]{1,0} parameter(0)
+  ROOT %e = f32[8,256]{1,0} exponential(%a)
+}
+
+ENTRY %main (p: f32[8,256]) -> f32[8,256] {
+  %p = f32[8,256]{1,0} parameter(0)
+  %buf = f32[8,256]{1,0} custom-call(), custom_call_target="AllocateBuffer"
+  %s0 = ((f32[8,256]{1,0}), f32[4,256]{1,0:S(1)}, s32[]) slice-start(%p), slice={[0:4], [0:256]}
+  %s1 = ((f32[8,256]{1,0}), f32[4,256]{1,0:S(1)}, s32[]) slice-start(%p), slice={[4:8], [0:256]}
+  %d0 = f32[4,256]{1,0:S(1)} slice-done(%s0)
+  %d1 = f32[4,256]{1,0:S(1)} slice-done(%s1)
+  %c = f32[8,256]{1,0:S(1)} custom-call(%d0, %d1), custom_call_target="ConcatBitcast"
+  ROOT %r = f32[8,256]{1,0} fusion(%c), kind=kLoop, calls=%f
+}
+"""
+
+
+def test_hbm_traffic_runs_no_kernel_for_a_sliced_copys_bitcast():
+    """XLA's TPU compiler splits a copy into on-chip memory into slices (asynchronous DMAs) and joins
+    them with a ConcatBitcast custom call, and marks buffers with AllocateBuffer: neither runs a kernel."""
+    from infer.analytic import hbm_traffic
+    r = hbm_traffic(_SLICED_COPY)
+    assert r["kernels"] == 1  # the fusion
+    assert r["bytes"] == 8 * 256 * 4 + 8 * 256 * 4  # the two slices read from HBM, the fusion's result written
+
+
 def test_hbm_traffic_does_not_charge_a_library_calls_workspace():
     """cuBLAS and cuDNN calls return their scratch workspace beside the result: it is never read
     from or written to HBM as data, so only the operands and the result are charged."""
