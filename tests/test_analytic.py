@@ -1,5 +1,6 @@
 """The analytic round-cost report: pre-optimisation bytes / FLOPs / kernels with abstract params."""
 import json
+import re
 
 import pytest
 
@@ -202,6 +203,25 @@ def test_compile_for_a_gpu_without_one(shape):
         h = loop[k]["compiled"]["host"]
         assert h["in_graph"] and h["launches"] == h["syncs"] == 0 and h["kernels"] == r[k]["compiled"]["host"]["kernels"]
     assert "runs inside one graph" in format_report(loop)
+
+
+def test_loop_graph_commands_are_xlas_default_plus_while(tmp_path):
+    """`loop` mode replaces XLA's list of graph command types (options cannot add to it): the copy in
+    defaults must stay XLA's own default, read here from the options XLA's GPU compiler reports."""
+    pytest.importorskip("jax_plugins.xla_cuda13")
+    import glob
+    import shutil
+    import jax
+    import jax.numpy as jnp
+    if shutil.which("ptxas") is None or jax.default_backend() != "cpu":
+        pytest.skip("needs ptxas and the deviceless compile (JAX_PLATFORMS=cpu)")
+    from eagle2_jax.defaults import XLA_GRAPH_COMMANDS
+    from infer.analytic import placement
+    x = placement("h200")(jnp.zeros((8, 8), jnp.float32))
+    jax.jit(lambda a: a * 2).lower(x).compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    text = open(glob.glob(str(tmp_path / "*jit__lambda.config.pbtxt"))[0]).read()
+    default = set(re.findall(r"xla_gpu_enable_command_buffer: (\w+)", text))
+    assert default == set(XLA_GRAPH_COMMANDS.split(","))
 
 
 # XLA's thunk sequences as its dump writes them (trimmed): a decode loop whose body is one graph (XLA's
