@@ -39,9 +39,11 @@ class Ops:
     # write half-precision dot products in float32 and round them in a second op (XLA:CPU, see
     # `dense`); GPU/TPU round on write
     f32_dot_outputs: bool = False
-    # attention scores laid out [slots, query rows] (XLA:CPU's faster orientation for few rows) instead
-    # of [query rows, slots] (GPU/TPU: the softmax reduces along the minor axis, in fewer kernels)
-    slot_major_scores: bool = False
+    # how `attend_xla` lays out attention scores (see there): "rows" [query rows, slots] (GPU: the
+    # softmax reduces along the minor axis, in the fewest kernels), "heads" [query heads, tokens,
+    # slots] (TPU: no query or output transposes, masks broadcast inside the score kernel), "slots"
+    # [slots, query rows] (XLA:CPU's faster orientation for few rows)
+    scores: str = "rows"
     # write a forward's new keys/values into the layer's cache first and attend over the cache alone
     # (`layers.attend_within`: one block of score, softmax and value kernels a layer); off, the cache
     # as it was and the new keys/values are two blocks of one softmax (`layers.attend_beside`), the
@@ -91,14 +93,16 @@ class Ops:
         this call's own keys/values (mask [B, T, T]) in one float32 softmax: [B, T, H, Dh]. The
         masks may come as `loop_masks` made them."""
         return attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT,
-                          slot_major=self.slot_major_scores)
+                          scores=self.scores)
 
     def loop_masks(self, masks: tuple, G: int) -> tuple:
         """Masks ([B, T, X] each) as `attend` takes them inside a layer loop, made once before the
-        loop: here broadcast to the query rows ([B, 1, G * T, X], `row_mask`), which XLA would
-        otherwise rebuild in every layer of a scan (2 kernels a layer on TPU). A backend whose
-        `attend` takes [B, T, X] masks returns them as they are."""
-        return tuple(row_mask(m, G) for m in masks)
+        loop: broadcast to the query rows ([B, 1, G * T, X], `row_mask`) for the "rows" and
+        "slots" score layouts, which XLA would otherwise rebuild in every layer; as they are for
+        "heads", which broadcasts them inside the score kernel (XLA's TPU compiler moves a row
+        broadcast made before a scan back into every layer: 5 kernels a layer in tree verification
+        at 8B). A backend whose `attend` takes [B, T, X] masks returns them as they are."""
+        return masks if self.scores == "heads" else tuple(row_mask(m, G) for m in masks)
 
     def scan_layers(self, body: Callable, carry, xs):
         """`lax.scan(body, carry, xs)` over stacked layers (xs leaves [L, ...]); over per-layer
@@ -110,7 +114,13 @@ class Ops:
 
 
 XLA = Ops()
-XLA_CPU = Ops(name="xla-cpu", f32_dot_outputs=True, slot_major_scores=True)  # the XLA path as XLA:CPU runs it fastest
+XLA_TPU = Ops(name="xla-tpu", scores="heads")  # the XLA path as XLA's TPU compiler fuses it best
+XLA_CPU = Ops(name="xla-cpu", f32_dot_outputs=True, scores="slots")  # the XLA path as XLA:CPU runs it fastest
+
+
+def xla_for(platform: str) -> Ops:
+    """The XLA path's settings for a platform ("cpu", "tpu", anything else a GPU)."""
+    return {"cpu": XLA_CPU, "tpu": XLA_TPU}.get(platform, XLA)
 
 
 def query_rows(q_BTHD, K: int):
@@ -128,34 +138,46 @@ def row_mask(mask_BTX, G: int):
 
 
 def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=None, mask_new_BTT=None, *,
-               slot_major: bool):
+               scores: str = "rows"):
     """One float32 softmax over the cache slots and, when given, the new keys as a second block
-    (no concatenated copy), normalised after the value products ([M, Dh], not [M, slots]). Scores
-    [B, K, M, slots] (query rows m = g * T + t first: the softmax reduces along the minor axis, as
-    GPU/TPU fuse it best), or with `slot_major` [B, K, slots, M] (with few query rows XLA's CPU
-    matmuls are several times faster in that orientation). Same values either way."""
+    (no concatenated copy), normalised after the value products ([Dh] a query, not [slots]).
+    The scores' layout (`Ops.scores`; same values in each):
+      "rows"  [B, K, M, slots] over query rows m = g * T + t (`query_rows`): the softmax reduces
+              along the minor axis (XLA for H200 at 8B: 17 kernels a verification layer);
+      "heads" [B, K, G, T, slots]: each KV head's G query heads as the query projection lays them
+              out, so neither the queries nor the output are transposed and a [B, T, X] mask
+              broadcasts inside the score kernel (XLA for TPU v6e at 8B, batch 4, 60 tokens: 30
+              kernels a verification layer against 38 for "rows"; on H200 "rows" has 3 fewer);
+      "slots" [B, K, slots, M]: with few query rows XLA's CPU matmuls are several times faster."""
     B, T, H, Dh = q_BTHD.shape
     K = k_BKSD.shape[1]
     G = H // K
     f32 = jnp.float32
-    qc = query_rows(q_BTHD, K).astype(k_BKSD.dtype)  # the query takes the cache's dtype, as do the new keys / values
     blocks = [(k_BKSD, v_BKSD, mask_BTS)]
     if k_new_BKTD is not None:
         blocks.append((k_new_BKTD.astype(k_BKSD.dtype), v_new_BKTD.astype(v_BKSD.dtype), mask_new_BTT))
     dot = lambda eq, a, b: jnp.einsum(eq, a.astype(b.dtype), b, preferred_element_type=f32)  # noqa: E731
+    if scores not in ("rows", "heads", "slots"):
+        raise ValueError(f"scores must be rows, heads or slots, got {scores!r}")
+    if scores != "heads":
+        q = query_rows(q_BTHD, K).astype(k_BKSD.dtype)  # the query takes the cache's dtype, as do the new keys / values
 
-    def rows(m):  # [B, T, X], or already [B, 1, M, X] (`Ops.loop_masks`) -> [B, 1, M, X]
-        return m if m.ndim == 4 else row_mask(m, G)
-    if slot_major:
-        scores = lambda k, m: jnp.where(rows(m).swapaxes(2, 3), dot("bksd,bkmd->bksm", k, qc), NEG_INF)  # noqa: E731
-        ax, pv = 2, "bksm,bksd->bkmd"
+        def masked(k, m):  # m: [B, T, X], or already [B, 1, M, X] (`Ops.loop_masks`)
+            rows = m if m.ndim == 4 else row_mask(m, G)
+            if scores == "slots":
+                return jnp.where(rows.swapaxes(2, 3), dot("bksd,bkmd->bksm", k, q), NEG_INF)
+            return jnp.where(rows, dot("bkmd,bksd->bkms", q, k), NEG_INF)
+        ax, pv = (2, "bksm,bksd->bkmd") if scores == "slots" else (3, "bkms,bksd->bkmd")
     else:
-        scores = lambda k, m: jnp.where(rows(m), dot("bkmd,bksd->bkms", qc, k), NEG_INF)  # noqa: E731
-        ax, pv = 3, "bkms,bksd->bkmd"
-    s = [scores(k, m) for k, _, m in blocks]
-    top = functools.reduce(jnp.maximum, [jnp.max(x, axis=ax, initial=NEG_INF) for x in s])  # [B, K, M]
+        q = (q_BTHD.reshape(B, T, K, G, Dh).astype(f32) * (1.0 / math.sqrt(Dh))).astype(k_BKSD.dtype)
+
+        def masked(k, m):  # m: [B, T, X]
+            return jnp.where(m[:, None, None], dot("btkgd,bksd->bkgts", q, k), NEG_INF)
+        ax, pv = 4, "bkgts,bksd->bkgtd"
+    s = [masked(k, m) for k, _, m in blocks]
+    top = functools.reduce(jnp.maximum, [jnp.max(x, axis=ax, initial=NEG_INF) for x in s])  # [B, K, M] / [B, K, G, T]
     p = [jnp.exp(x - jnp.expand_dims(top, ax)) for x in s]
-    total = functools.reduce(jnp.add, [jnp.sum(x, axis=ax) for x in p])  # [B, K, M]
+    total = functools.reduce(jnp.add, [jnp.sum(x, axis=ax) for x in p])
     out = functools.reduce(jnp.add, [dot(pv, x, v) for x, (_, v, _) in zip(p, blocks)])
     out = out / total[..., None]
     return out.reshape(B, K, G, T, Dh).transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
@@ -179,4 +201,4 @@ def choose(params, dtype, mesh=None) -> Ops:
         ops = chooser(params, dtype, mesh)
         if ops is not None:
             return ops
-    return XLA_CPU if jax.default_backend() == "cpu" else XLA
+    return xla_for(jax.default_backend())

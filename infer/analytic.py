@@ -620,9 +620,10 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     platform = "tpu" if (compile_for or accelerator).startswith("tpu") else "cuda"
     if attention == "pallas":
         from eagle2_jax.pallas import PallasOps
-        base, kernels = PallasOps(backend="tpu" if platform == "tpu" else "gpu"), False
+        from eagle2_jax.pallas import ops_for
+        base, kernels = ops_for(backend="tpu" if platform == "tpu" else "gpu"), False
     else:
-        base = e2.ops.XLA  # the accelerator path (GPU/TPU), whatever this machine would pick
+        base = e2.ops.xla_for(platform)  # the accelerator path (GPU or TPU), whatever this machine would pick
 
     place = None  # lower_all(base, on=placement(...)): for a GPU or TPU, to compile without one
 

@@ -145,11 +145,11 @@ def _attention_inputs(rng, B, T, H, K, S, Dh, p=0.6):
 @pytest.mark.parametrize("B,T,H,K,S,Dh", [(2, 4, 6, 2, 40, 64), (1, 1, 9, 3, 17, 64), (3, 5, 4, 4, 9, 12)])
 def test_attention_kernel_matches_xla_and_its_gradient(B, T, H, K, S, Dh):
     args = _attention_inputs(np.random.default_rng(B * 100 + T), B, T, H, K, S, Dh)
-    ref = jax.jit(functools.partial(attend_xla, slot_major=True))(*args)
+    ref = jax.jit(functools.partial(attend_xla, scores="slots"))(*args)
     got = jax.jit(CpuOps().attend)(*args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=2e-6)
     g_kernel = jax.grad(lambda q: CpuOps().attend(q, *args[1:]).sum())(args[0])
-    g_xla = jax.grad(lambda q: attend_xla(q, *args[1:], slot_major=True).sum())(args[0])
+    g_xla = jax.grad(lambda q: attend_xla(q, *args[1:], scores="slots").sum())(args[0])
     np.testing.assert_array_equal(np.asarray(g_kernel), np.asarray(g_xla))
 
 

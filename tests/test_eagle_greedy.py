@@ -6,7 +6,7 @@ import pytest
 from eagle2_jax import TreeConfig, generate, generate_vanilla
 from eagle2_jax.eagle import LOOP
 from eagle2_jax.layer_list import per_layer
-from eagle2_jax.ops import XLA
+from eagle2_jax.ops import XLA, XLA_TPU
 from helpers import permutation_oracle, tiny_pair
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -26,7 +26,9 @@ def models():
     # keys/values into the cache and then attend over the cache alone (`Ops.cache_first`); the
     # CPU's own ops attend over two blocks
     accel = (per_layer(dataclasses.replace(t, ops=XLA)), dataclasses.replace(d, ops=XLA))
-    return {"random": rand, "noisy_oracle": (t, d), "noisy_oracle_xla": accel}
+    # the TPU path: `ops.XLA_TPU`, a scan over stacked layers, scores laid out by query head
+    tpu = (dataclasses.replace(t, ops=XLA_TPU), dataclasses.replace(d, ops=XLA_TPU))
+    return {"random": rand, "noisy_oracle": (t, d), "noisy_oracle_xla": accel, "noisy_oracle_tpu": tpu}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def _check(models, reference, kind, cfg, max_new=23, prompts=PROMPTS):
 
 
 @pytest.mark.parametrize("cfg", GRID, ids=lambda c: "d%d_k%d_n%d" % c)
-@pytest.mark.parametrize("kind", ["random", "noisy_oracle", "noisy_oracle_xla"])
+@pytest.mark.parametrize("kind", ["random", "noisy_oracle", "noisy_oracle_xla", "noisy_oracle_tpu"])
 def test_greedy_identity_grid(models, reference, kind, cfg):
     _check(models, reference, kind, cfg)
 

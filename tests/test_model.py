@@ -205,10 +205,11 @@ def test_save_hf_dir_round_trip(tmp_path):
 
 
 def test_attention_score_layouts_agree_with_a_numpy_softmax():
-    """The accelerator path's query-row-major scores and XLA:CPU's slot-major ones give the same
-    attention, which is the float64 NumPy softmax over the allowed cache slots and new keys."""
-    from eagle2_jax.ops import XLA, XLA_CPU, attend_xla
-    assert not XLA.slot_major_scores and XLA_CPU.slot_major_scores
+    """The three score layouts (GPU's query rows, TPU's query heads, XLA:CPU's slots) give the same
+    attention, which is the float64 NumPy softmax over the allowed cache slots and new keys, with
+    masks as given or as each layout's `loop_masks` makes them."""
+    from eagle2_jax.ops import XLA, XLA_CPU, XLA_TPU, attend_xla
+    assert (XLA.scores, XLA_TPU.scores, XLA_CPU.scores) == ("rows", "heads", "slots")
     rng = np.random.default_rng(1)
     B, T, H, K, Dh, S = 2, 5, 6, 2, 8, 11
     q, k, v = (rng.standard_normal(s) for s in [(B, T, H, Dh), (B, K, S, Dh), (B, K, S, Dh)])
@@ -225,9 +226,13 @@ def test_attention_score_layouts_agree_with_a_numpy_softmax():
     args = [jnp.asarray(a, jnp.float32) for a in (q, k, v)] + [jnp.asarray(m)] + [
         jnp.asarray(a, jnp.float32) for a in (kn, vn)] + [jnp.asarray(mn)]
     one_block = [args[0], jnp.asarray(keys, jnp.float32), jnp.asarray(vals, jnp.float32), jnp.asarray(allowed)]
-    for slot_major in (True, False):
-        np.testing.assert_allclose(np.asarray(attend_xla(*args, slot_major=slot_major)), want, atol=2e-5)
-        np.testing.assert_allclose(np.asarray(attend_xla(*one_block, slot_major=slot_major)), want, atol=2e-5)
+    for ops in (XLA, XLA_TPU, XLA_CPU):
+        np.testing.assert_allclose(np.asarray(ops.attend(*args)), want, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(ops.attend(*one_block)), want, atol=2e-5)
+        looped = args[:3] + [ops.loop_masks((args[3],), H // K)[0]] + args[4:6] + [ops.loop_masks((args[6],), H // K)[0]]
+        np.testing.assert_allclose(np.asarray(ops.attend(*looped)), want, atol=2e-5)
+    with pytest.raises(ValueError, match="scores must be rows, heads or slots"):
+        attend_xla(*args, scores="cols")
 
 
 def test_cache_first_forward_equals_two_blocks():

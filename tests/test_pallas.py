@@ -36,7 +36,7 @@ def _inputs(rng, B, T, H, K, S, Dh, dtype, lengths, scratch=0):
 ])
 def test_kernel_equals_xla_attention(B, T, H, K, S, Dh, lengths, scratch):
     args = _inputs(np.random.default_rng(S + T), B, T, H, K, S, Dh, jnp.float32, lengths, scratch)
-    want = attend_xla(*args, slot_major=False)
+    want = attend_xla(*args)
     for block, splits in ((16, 1), (128, 1), (16, 3), (16, 5)):  # the walk whole, or split (flash-decoding)
         got = tree_attention(*args, block=block, backend=BACKEND, splits=splits)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
@@ -50,7 +50,7 @@ def test_kernel_equals_xla_attention(B, T, H, K, S, Dh, lengths, scratch):
 
 def test_kernel_bfloat16_and_live_blocks():
     args = _inputs(np.random.default_rng(0), 2, 6, 4, 2, 256, 32, jnp.bfloat16, [100, 3], 4)
-    want = np.asarray(attend_xla(*args, slot_major=False), np.float32)
+    want = np.asarray(attend_xla(*args), np.float32)
     for splits in (1, 4):
         got = np.asarray(tree_attention(*args, block=32, backend=BACKEND, splits=splits), np.float32)
         np.testing.assert_allclose(got, want, atol=1.6e-2, rtol=1.6e-2)  # bf16 output rounding

@@ -88,13 +88,18 @@ def test_sampling_matches_target_distribution(pair, tree, temperature, top_p):
     assert p > P_THRESHOLD, f"chi2={stat:.1f} on {k} dof, p={p:.2e}"
 
 
-def test_sampling_with_cache_first_attention_matches_target_distribution(pair):
-    """The same check on the GPU path (`ops.XLA`, per-layer weight buffers): tree verification
-    and draft passes write their keys/values into the cache first and attend over it alone."""
+@pytest.mark.parametrize("path", ["gpu", "tpu"])
+def test_sampling_on_the_accelerator_paths_matches_target_distribution(pair, path):
+    """The same check on the GPU path (`ops.XLA`, per-layer weight buffers: tree verification
+    and draft passes write their keys/values into the cache first and attend over it alone) and
+    on the TPU path (`ops.XLA_TPU`: a scan over stacked layers, scores laid out by query head)."""
     import dataclasses
     from eagle2_jax.layer_list import per_layer
-    from eagle2_jax.ops import XLA
-    t, d = per_layer(dataclasses.replace(pair[0], ops=XLA)), dataclasses.replace(pair[1], ops=XLA)
+    from eagle2_jax.ops import XLA, XLA_TPU
+    if path == "gpu":
+        t, d = per_layer(dataclasses.replace(pair[0], ops=XLA)), dataclasses.replace(pair[1], ops=XLA)
+    else:
+        t, d = dataclasses.replace(pair[0], ops=XLA_TPU), dataclasses.replace(pair[1], ops=XLA_TPU)
     expected = exact_distribution(t, SamplingConfig(1.0, 0, 0.8))
     counts = sample_counts(t, d, TREES["tree"], 1.0, 0.8)
     p, stat, k = chi_square_p(counts, expected)

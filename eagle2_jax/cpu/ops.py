@@ -62,7 +62,7 @@ def _stack_and_layer(w):
 class CpuOps(core_ops.Ops):
     name: str = "cpu"
     f32_dot_outputs: bool = True
-    slot_major_scores: bool = True  # (XLA:CPU's faster orientation, for the XLA attention fallback)
+    scores: str = "slots"  # (XLA:CPU's faster orientation, for the XLA attention fallback)
     attention: bool = True  # the attention kernel for float32 caches
     cache_first: bool = False  # the kernel takes the cache as it was and the new keys/values as two blocks
 
@@ -157,7 +157,7 @@ def _attend_kernel_bwd(args, g):
     """Gradients through XLA's attention (training; the kernel has none)."""
     q, k, v, mask, kn, vn, mask_new, layer = args
     sl = (lambda a: a) if layer is None else (lambda a: lax.dynamic_index_in_dim(a, layer, 0, keepdims=False))
-    xla = functools.partial(core_ops.attend_xla, slot_major=True)
+    xla = functools.partial(core_ops.attend_xla, scores="slots")
     dq, dk, dv, dm, dkn, dvn, dmn = jax.vjp(xla, q, sl(k), sl(v), mask, kn, vn, mask_new)[1](g)
     if layer is not None:
         dk, dv = jnp.zeros_like(k).at[layer].set(dk), jnp.zeros_like(v).at[layer].set(dv)

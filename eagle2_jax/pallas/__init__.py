@@ -46,7 +46,7 @@ class PallasOps(core_ops.Ops):
     def attend(self, q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=None, mask_new_BTT=None):
         args = (q_BTHD, k_BKSD, v_BKSD, mask_BTS) + (() if k_new_BKTD is None else (k_new_BKTD, v_new_BKTD, mask_new_BTT))
         if q_BTHD.shape[1] > self.max_new:  # the kernel holds the new tokens' [T, T] block whole
-            return core_ops.attend_xla(*args, slot_major=self.slot_major_scores)
+            return core_ops.attend_xla(*args, scores=self.scores)
         run = lambda *a: tree_attention(*a, block=self.block, backend=self.backend, splits=self.splits)  # noqa: E731
         if self.mesh is None or self.mesh.size == 1:
             return run(*args)
@@ -61,7 +61,9 @@ class PallasOps(core_ops.Ops):
 
 
 def ops_for(mesh=None, backend: Optional[str] = None) -> PallasOps:
-    return PallasOps(backend=backend or _backend(), mesh=mesh if mesh is not None and mesh.size > 1 else None)
+    backend = backend or _backend()
+    return PallasOps(backend=backend, mesh=mesh if mesh is not None and mesh.size > 1 else None,
+                     scores=core_ops.xla_for("tpu").scores if backend == "tpu" else "rows")  # (the XLA fallback's)
 
 
 def use(target, draft=None, backend: Optional[str] = None):
