@@ -46,3 +46,19 @@ def test_parse_mesh():
         parse_mesh("data=two")
     with pytest.raises(ValueError, match="needs 16 devices"):
         parse_mesh("data=4,model=4")
+
+
+@pytest.mark.parametrize("data,model", [(2, 4), (1, 8)])
+def test_tpu_path_sharded_equals_unsharded(data, model):
+    """The TPU path (`ops.XLA_TPU`: scores laid out by query head, [B, K, G, T, slots], from a
+    reshape of the head-sharded queries) gives the same tokens sharded as on one device."""
+    import dataclasses
+    from eagle2_jax.ops import XLA_TPU
+
+    def run(mesh):
+        t = init_target(CFG, 0, mesh=mesh)
+        t = dataclasses.replace(t, ops=XLA_TPU)
+        d = dataclasses.replace(init_draft(t, 1), ops=XLA_TPU)
+        return (generate_vanilla(t, PROMPTS, max_new_tokens=12).tokens,
+                generate(t, d, PROMPTS, max_new_tokens=12, tree=TreeConfig(3, 3, 12)).tokens)
+    assert run(make_mesh(data, model)) == run(None)
