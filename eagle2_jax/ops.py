@@ -145,8 +145,9 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=Non
       "rows"  [B, K, M, slots] over query rows m = g * T + t (`query_rows`): the softmax reduces
               along the minor axis (XLA for H200 at 8B: 17 kernels a verification layer);
       "heads" [B, K, G, T, slots]: each KV head's G query heads as the query projection lays them
-              out, so neither the queries nor the output are transposed and a [B, T, X] mask
-              broadcasts inside the score kernel (XLA for TPU v6e at 8B, batch 4, 60 tokens: 30
+              out, so the queries are not moved into rows (XLA's TPU compiler folds the output's
+              transpose into the products' layouts) and a [B, T, X] mask broadcasts inside the
+              score kernel (XLA for TPU v6e at 8B, batch 4, 60 tokens: 30
               kernels a verification layer against 38 for "rows"; on H200 "rows" has 3 fewer);
       "slots" [B, K, slots, M]: with few query rows XLA's CPU matmuls are several times faster."""
     B, T, H, Dh = q_BTHD.shape
@@ -172,6 +173,8 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=Non
         q = (q_BTHD.reshape(B, T, K, G, Dh).astype(f32) * (1.0 / math.sqrt(Dh))).astype(k_BKSD.dtype)
 
         def masked(k, m):  # m: [B, T, X]
+            if m.ndim != 3:
+                raise ValueError(f"the query-head score layout takes [B, T, X] masks, got shape {m.shape}")
             return jnp.where(m[:, None, None], dot("btkgd,bksd->bkgts", q, k), NEG_INF)
         ax, pv = 4, "bkgts,bksd->bkgtd"
     s = [masked(k, m) for k, _, m in blocks]

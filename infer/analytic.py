@@ -619,11 +619,10 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         raise ValueError(f"unknown attention {attention!r}: xla or pallas")
     platform = "tpu" if (compile_for or accelerator).startswith("tpu") else "cuda"
     if attention == "pallas":
-        from eagle2_jax.pallas import PallasOps
         from eagle2_jax.pallas import ops_for
         base, kernels = ops_for(backend="tpu" if platform == "tpu" else "gpu"), False
     else:
-        base = e2.ops.xla_for(platform)  # the accelerator path (GPU or TPU), whatever this machine would pick
+        base = e2.ops.xla_for(platform)  # the XLA path as the target platform (GPU or TPU) runs it
 
     place = None  # lower_all(base, on=placement(...)): for a GPU or TPU, to compile without one
 

@@ -141,3 +141,10 @@ def test_ops_split_walks_by_rule_or_as_asked():
     assert grid(pallas.PallasOps(backend="interpret")) == "1, 2, 2"
     assert grid(pallas.PallasOps(backend="interpret", splits=1)) == "1, 2"
     assert grid(pallas.PallasOps(backend="interpret", splits=5)) == "1, 2, 5"
+
+
+def test_kernel_ops_fall_back_to_the_platforms_score_layout():
+    """Calls with more new tokens than the kernel takes (prefill) use the XLA attention laid out as
+    the platform's XLA path lays it out: by query head on TPU, by query row elsewhere."""
+    assert pallas.ops_for(backend="tpu").scores == "heads"
+    assert pallas.ops_for(backend="gpu").scores == pallas.ops_for(backend="interpret").scores == "rows"

@@ -221,21 +221,22 @@ def test_packed_loss_equals_the_examples_apart():
 
 def test_draft_loss_and_gradient_agree_across_attention_forms():
     """Training on GPU/TPU runs the draft's rollout through the cache-first attention
-    (`Ops.cache_first`): its loss and gradient equal the two-block form's."""
+    (`Ops.cache_first`), and on TPU with the scores laid out by query head (`ops.XLA_TPU`): their
+    losses and gradients equal the two-block form's."""
     import dataclasses
 
     import jax
     import jax.numpy as jnp
 
     from eagle2_jax import init_draft
-    from eagle2_jax.ops import XLA
+    from eagle2_jax.ops import XLA, XLA_TPU
     from train.loss import draft_loss, target_features
     rng = np.random.default_rng(5)
     ids = jnp.asarray(rng.integers(0, 64, (2, 12)), jnp.int32)
     mask = jnp.asarray(np.arange(12)[None].repeat(2, 0) > 2, jnp.int32)
     out = {}
-    for first in (True, False):
-        ops = dataclasses.replace(XLA, cache_first=first)
+    forms = {True: XLA, False: dataclasses.replace(XLA, cache_first=False), "tpu": XLA_TPU}
+    for first, ops in forms.items():
         t = dataclasses.replace(init_target(tiny_config(), 0), ops=ops)
         d = dataclasses.replace(init_draft(t, 1), ops=ops)
         feats = target_features(t.module, t.params, ids)
@@ -243,9 +244,10 @@ def test_draft_loss_and_gradient_agree_across_attention_forms():
                                     None, 0.0, 1.0, 0.1, None, 3)
         (value, m), grad = jax.value_and_grad(loss, has_aux=True)(d.params)
         out[first] = (float(value), float(m["acc"]), grad)
-    assert out[True][:2] == pytest.approx(out[False][:2], rel=1e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(out[True][2]), jax.tree_util.tree_leaves(out[False][2])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+    for form in (True, "tpu"):
+        assert out[form][:2] == pytest.approx(out[False][:2], rel=1e-5)
+        for a, b in zip(jax.tree_util.tree_leaves(out[form][2]), jax.tree_util.tree_leaves(out[False][2])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
 
 
 def test_frequent_tokens():

@@ -63,7 +63,7 @@ class PallasOps(core_ops.Ops):
 def ops_for(mesh=None, backend: Optional[str] = None) -> PallasOps:
     backend = backend or _backend()
     return PallasOps(backend=backend, mesh=mesh if mesh is not None and mesh.size > 1 else None,
-                     scores=core_ops.xla_for("tpu").scores if backend == "tpu" else "rows")  # (the XLA fallback's)
+                     scores=core_ops.xla_for(backend).scores)  # (its XLA fallback's score layout)
 
 
 def use(target, draft=None, backend: Optional[str] = None):
