@@ -485,6 +485,20 @@ def test_eagle3_vocab_mask_drops_positions_whose_target_token_is_outside_the_dra
         tdraft.load_config(["--data", "d", "--out", "o", "--vocab-mask", "true"])
 
 
+def test_an_export_never_overwrites_a_head_of_the_other_arch(tmp_path, monkeypatch):
+    """The shipped config exports to the packaged EAGLE-2 head: an --arch eagle3 run with that config
+    stops before training instead of overwriting it; a directory with the same arch or none is fine."""
+    repo = os.path.join(os.path.dirname(__file__), "..")
+    config = os.path.join(repo, "configs", "smollm2-135m-instruct.yaml")
+    monkeypatch.chdir(repo)  # (the config names the export relative to the repository)
+    with pytest.raises(SystemExit, match="holds an eagle2 head, which this --arch eagle3 run would overwrite"):
+        tdraft.load_config(["--config", config, "--arch", "eagle3"])
+    with pytest.raises(SystemExit, match="holds an eagle3 head, which this --arch eagle2 run would overwrite"):
+        tdraft.load_config(["--data", "d", "--out", "o", "--export", "eagle2_jax/heads/smollm2-135m-instruct-eagle3"])
+    assert tdraft.load_config(["--config", config])["arch"] == "eagle2"
+    assert tdraft.load_config(["--data", "d", "--out", "o", "--arch", "eagle3", "--export", str(tmp_path / "new")])
+
+
 def test_eagle3_aux_layers_are_chosen_and_re_pointed(tiny_run):
     """--aux-layers: a fresh EAGLE-3 head reads the layers asked for; continuing a head with other
     layers keeps its weights and reads the new ones; the export records them; bad specs fail in one line."""

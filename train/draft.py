@@ -118,7 +118,21 @@ def load_config(argv=None) -> dict:
             sys.exit(f"error: --{req} is required (or set it in --config)")
     if cfg["vocab_mask"] and not cfg["draft_vocab"] and not cfg["init_from"]:  # (an EAGLE-3 head brings its own)
         sys.exit("error: --vocab-mask needs a draft vocabulary (--draft-vocab)")
+    held = _export_arch(cfg["export"])
+    if held and held != cfg["arch"]:  # (the shipped config exports to the packaged EAGLE-2 head)
+        sys.exit(f"error: --export {cfg['export']} holds an {held} head, which this --arch {cfg['arch']} run "
+                 "would overwrite: pass --export another directory")
     return cfg
+
+
+def _export_arch(directory) -> str | None:
+    """The arch of the head an export directory already holds (by its config.json), else None."""
+    path = os.path.join(directory, "config.json") if directory else ""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    return "eagle3" if "draft_vocab_size" in raw or "arch" in raw and raw["arch"] == "eagle3" else "eagle2"
 
 
 def _bool(s: str) -> bool:
