@@ -41,7 +41,7 @@ class Ops:
     f32_dot_outputs: bool = False
     # how `attend_xla` lays out attention scores (see there): "rows" [query rows, slots] (GPU: the
     # softmax reduces along the minor axis, in the fewest kernels), "heads" [query heads, tokens,
-    # slots] (TPU: no query or output transposes, masks broadcast inside the score kernel), "slots"
+    # slots] (TPU: the queries stay as projected, masks broadcast inside the score kernel), "slots"
     # [slots, query rows] (XLA:CPU's faster orientation for few rows)
     scores: str = "rows"
     # write a forward's new keys/values into the layer's cache first and attend over the cache alone

@@ -132,7 +132,7 @@ def _export_arch(directory) -> str | None:
         return None
     with open(path) as f:
         raw = json.load(f)
-    return "eagle3" if "draft_vocab_size" in raw or "arch" in raw and raw["arch"] == "eagle3" else "eagle2"
+    return "eagle3" if "draft_vocab_size" in raw or raw.get("arch") == "eagle3" else "eagle2"
 
 
 def _bool(s: str) -> bool:
