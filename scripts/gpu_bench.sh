@@ -12,6 +12,7 @@
 #                                  # scanned (EAGLE2_JAX_LAYERS=scan); every program's compile seconds
 #   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head, reference tree 5/10/60: infer.bench on
 #                                  # the first 20 MT-bench first turns (plain vs EAGLE-2, tau, greedy identity),
+#                                  # the first 10 in bfloat16 (the GPU default, tensor cores),
 #                                  # the first 8 again with the decode loops in one CUDA graph (--gpu-graphs loop
 #                                  # against XLA's default body), the first 16 at batch 4
 #
@@ -112,6 +113,15 @@ else
   if budget 150 "bench: first 20 MT-bench first turns, T=0, batch 1, reference tree 5/10/60, float32 (CUDA graphs: body, XLA's default)"; then
     timeout $T $BENCH --limit ${LIMIT:-20} --gpu-graphs body --out /tmp/res/t0 2>&1 | grep -v "^bench:"
     cp /tmp/res/t0/results.json "$OUT/bench_t0.json" 2>/dev/null
+  fi
+  # the same questions in bfloat16, the GPU default, at XLA's default matmul precision (tensor cores): in
+  # float32 at `highest` the 60-token verification's ~19 GFLOP run on CUDA cores and, by the first run's
+  # figures, cost about as much as all the round's launches (README "On a lent GPU"); greedy identity is
+  # defined in float32 and only reported here
+  if budget 120 "bench: first 10 of them in bfloat16 (default precision), same tree"; then
+    env -u JAX_DEFAULT_MATMUL_PRECISION timeout $T ${BENCH/--dtype float32/--dtype bfloat16} --limit ${LIMIT:-10} \
+      --out /tmp/res/t0_bf16 2>&1 | grep -v "^bench:"
+    cp /tmp/res/t0_bf16/results.json "$OUT/bench_t0_bf16.json" 2>/dev/null
   fi
   # the whole decode loop in one CUDA graph: no host wait per step or round (per-question rows in the JSON
   # compare with the first questions of the run above)
