@@ -25,7 +25,8 @@ compiled by XLA's GPU or TPU compiler on this machine (no device: a deviceless t
 CUDA plugin or libtpu installed), and `hbm_traffic` reads what the fused programs move to and from
 HBM: the figures a fusing compiler's output gives, beside the upper bound above. They are compiled
 as they run there: per-layer weight buffers on GPU, stacked weights under a scan on TPU
-(`layer_list.wanted`).
+(`layer_list.wanted`). For a GPU the report also times the fused programs with every kernel costing
+at least GPU_KERNEL_FLOOR_S (its bytes at the card's bandwidth otherwise, small intermediates in L2).
 
 Parts: draft = expand + rerank (the draft passes, the candidate pool, the tree); verify = one target
 forward over the N tree tokens + the LM head; accept = greedy acceptance + KV compaction + output +
@@ -166,6 +167,13 @@ GPU_TARGETS = {
 
 
 COMPILE_TARGETS = (*GPU_TARGETS, *TPU_TOPOLOGIES)
+
+# What a small GPU kernel costs whatever it moves (launch inside a CUDA graph, ramp-up, tail), for the
+# compiled GPU rows' third roofline: fitted to the one GPU measurement so far (README "On a lent GPU":
+# H200, SmolLM2-135M float32 at highest precision, a plain step of 705 kernels in 1.8 ms, a round of
+# 1,035 kernels and 19 GFLOP in 4.8 ms: 2.5 us a kernel beside 8.65 TFLOP/s). Two times, two
+# unknowns: a reading of one run, to be replaced by a profile when a GPU is lent.
+GPU_KERNEL_FLOOR_S = 2.5e-6
 
 
 def gpu_target_config(accelerator: str, cuda=(13, 0), cudnn=(9, 8)) -> str:
@@ -414,7 +422,8 @@ class _L2:
         return operands, late, res
 
 
-def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int = 0) -> dict:
+def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int = 0, bytes_per_s: float = 0.0,
+                kernel_floor_s: float = 0.0) -> dict:
     """HBM bytes and kernels of a compiled (optimised, fused, memory-space-assigned) HLO module:
     each top-level instruction reads its operands and writes its result, as a fused kernel does,
     counting only arrays in HBM (what the compiler placed in on-chip memory is free; the async
@@ -433,9 +442,13 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
     kernel), else it is taken to stay in L2 until its buffer is reused. Program inputs, loop state
     (what enters or leaves a loop, conditional or call), in-place updates (caches) and outputs are
     always charged. Returns {"bytes", "kernels"}, and with
-    `top` > 0 "top": the `top` costliest instructions as (bytes, name, source op_name)."""
+    `top` > 0 "top": the `top` costliest instructions as (bytes, name, source op_name). With
+    `bytes_per_s`, also "seconds": each kernel's bytes at that bandwidth but never less than
+    `kernel_floor_s` (what a small kernel costs whatever it moves: launch, ramp-up, tail), plus the
+    asynchronous copies' bytes at that bandwidth, executed kernels and trips counted as above."""
     comps = _computations(hlo_text)
     costs = []
+    at_bw = (lambda nb: nb / bytes_per_s) if bytes_per_s else (lambda nb: 0.0)  # seconds to move nb bytes
 
     def charge(ins, nbytes):
         if top:
@@ -491,7 +504,7 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
         return total + min(written, result_hbm)
 
     def walk(comp):
-        hbm, full, start_src, nbytes, kernels = {}, {}, {}, 0.0, 0
+        hbm, full, start_src, nbytes, kernels, secs = {}, {}, {}, 0.0, 0, 0.0
         body = comps.get(comp, [])
         by_name = {i["name"]: i for i in body}
         l2 = _L2(body, comps, l2_bytes) if l2_bytes else None
@@ -511,18 +524,21 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
                 moved = _bytes(ins["shape"])
                 moved = min(start_src.get(args[0], moved), moved) + res
                 nbytes += charge(ins, moved)
+                secs += at_bw(moved)
                 if l2 is not None:  # (its source was read in HBM)
-                    nbytes += l2.nested(by_name.get(args[0], ins) if args else ins, moved)
+                    extra = l2.nested(by_name.get(args[0], ins) if args else ins, moved)
+                    nbytes, secs = nbytes + extra, secs + at_bw(extra)
                 continue  # (an asynchronous copy: a DMA beside the kernels, not one of them)
             if op in _FREE or (op == "custom-call" and _NO_WORK_CALL.search(line)):
                 continue
             if op == "while":
                 n = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                b, k = walk(re.search(r"body=%?([\w.\-]+)", line).group(1))
+                b, k, t = walk(re.search(r"body=%?([\w.\-]+)", line).group(1))
                 n = int(n.group(1)) if n else _counted_trips(comps, body, ins)
-                nbytes, kernels = nbytes + b * n, kernels + k * n
+                nbytes, kernels, secs = nbytes + b * n, kernels + k * n, secs + t * n
                 if l2 is not None:  # its state enters in HBM; what it streams turns the L2 over
-                    nbytes += l2.nested(ins, b * n)
+                    extra = l2.nested(ins, b * n)
+                    nbytes, secs = nbytes + extra, secs + at_bw(extra)
                 continue
             if op == "conditional":
                 names = re.search(r"branch_computations=\{([^}]*)\}", line)
@@ -530,14 +546,17 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
                     re.search(key + r"=%?([\w.\-]+)", line).group(1) for key in ("true_computation", "false_computation")]
                 branch = [walk(c) for c in names]
                 nbytes, kernels = nbytes + max(c[0] for c in branch), kernels + max(c[1] for c in branch)
+                secs += max(c[2] for c in branch)
                 if l2 is not None:
-                    nbytes += l2.nested(ins, max(c[0] for c in branch))
+                    extra = l2.nested(ins, max(c[0] for c in branch))
+                    nbytes, secs = nbytes + extra, secs + at_bw(extra)
                 continue
             if op == "call":
-                b, k = walk(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
-                nbytes, kernels = nbytes + b, kernels + k
+                b, k, t = walk(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+                nbytes, kernels, secs = nbytes + b, kernels + k, secs + t
                 if l2 is not None:
-                    nbytes += l2.nested(ins, b)
+                    extra = l2.nested(ins, b)
+                    nbytes, secs = nbytes + extra, secs + at_bw(extra)
                 continue
             kernels += 1
 
@@ -554,8 +573,10 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
             if l2 is not None:  # (the L2 turns over by what the kernel moves counted all in HBM)
                 streamed = moves(operands, res)
                 operands, late, res = l2.kernel(ins, operands, res, streamed)
-            nbytes += charge(ins, moves(operands, res) + late)
-        return nbytes, kernels
+            moved = moves(operands, res) + late
+            nbytes += charge(ins, moved)
+            secs += max(at_bw(moved), kernel_floor_s) if bytes_per_s else 0.0
+        return nbytes, kernels, secs
     if loop:
         bodies = [re.search(r"body=%?([\w.\-]+)", i["line"]).group(1) for i in comps.get("ENTRY", [])
                   if i["op"] == "while"]
@@ -567,10 +588,12 @@ def hbm_traffic(hlo_text: str, top: int = 0, loop: bool = False, l2_bytes: int =
             r = walk(c)
             if best is None or r[0] > best[0][0]:
                 best = (r, list(costs))
-        (b, k), costs[:] = best
+        (b, k, t), costs[:] = best
     else:
-        b, k = walk("ENTRY")
+        b, k, t = walk("ENTRY")
     out = {"bytes": b, "kernels": k}
+    if bytes_per_s:
+        out["seconds"] = t
     if top:  # (a while body's instructions are listed once, at one trip's cost)
         out["top"] = sorted(costs, reverse=True)[:top]
     return out
@@ -689,8 +712,10 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
             if launches is not None:
                 cost[k]["compiled"]["host"] = launches
             if compile_for in GPU_TARGETS:  # and with what fits the GPU's L2 kept there between kernels
-                cost[k]["compiled"]["bytes_l2"] = hbm_traffic(exe.as_text(), loop=k in ("step", "round"),
-                                                              l2_bytes=GPU_TARGETS[compile_for]["l2"])["bytes"]
+                g = GPU_TARGETS[compile_for]
+                t = hbm_traffic(exe.as_text(), loop=k in ("step", "round"), l2_bytes=g["l2"],
+                                bytes_per_s=g["bandwidth"], kernel_floor_s=GPU_KERNEL_FLOOR_S)
+                cost[k]["compiled"].update(bytes_l2=t["bytes"], seconds_floor=t["seconds"])
     if kernels:  # counted on XLA:CPU's flavour of the same programs: bf16-output dots, which a GPU/TPU
         # matrix unit writes in one kernel, cost XLA:CPU extra conversion kernels of its own
         for k, lo in lower_all(dataclasses.replace(base, f32_dot_outputs=True))[0].items():
@@ -722,6 +747,10 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
             out["compiled"].update(step_ms_l2=t_step_l2 * 1e3, round_ms_l2=t_round_l2 * 1e3,
                                    speedup_l2=tau * t_step_l2 / t_round_l2,
                                    bytes_l2=rnd["compiled"]["bytes_l2"] / step["compiled"]["bytes_l2"])
+            # and every kernel at least GPU_KERNEL_FLOOR_S (L2 bytes; FLOPs as a whole-program bound)
+            fl = lambda c: max(c["compiled"]["seconds_floor"], c["flops"] / dev["flops_per_s"])  # noqa: E731
+            out["compiled"].update(step_ms_floor=fl(step) * 1e3, round_ms_floor=fl(rnd) * 1e3,
+                                   speedup_floor=tau * fl(step) / fl(rnd), kernel_floor_us=GPU_KERNEL_FLOOR_S * 1e6)
         meta["compiled_with"] = _compiler_version(compile_for)
         if compile_for in GPU_TARGETS:
             from eagle2_jax.defaults import gpu_graphs as _mode
@@ -788,4 +817,7 @@ def format_report(r: dict) -> str:
             lines.append(f"with intermediates of up to {GPU_TARGETS[c['for']]['l2'] // 2**21} MiB kept in L2: bytes "
                          f"{c['bytes_l2']:.2f}x; roofline: step {c['step_ms_l2']:.3f} ms, round {c['round_ms_l2']:.3f} ms; "
                          f"at tau {c['tau']}: speedup {c['speedup_l2']:.2f}x")
+            lines.append(f"the same with every kernel costing at least {c['kernel_floor_us']:.1f} us (GPU_KERNEL_FLOOR_S, "
+                         f"fitted to the first H200 run): step {c['step_ms_floor']:.3f} ms, round "
+                         f"{c['round_ms_floor']:.3f} ms; at tau {c['tau']}: speedup {c['speedup_floor']:.2f}x")
     return "\n".join(lines)

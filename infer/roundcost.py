@@ -85,7 +85,8 @@ def parse(argv=None):
                          "(a deviceless topology; run with JAX_PLATFORMS=cpu; a GPU needs the CUDA plugin matching jax, "
                          "pip install --no-deps jax-cuda13-plugin jax-cuda13-pjrt, and ptxas; a TPU needs libtpu, "
                          "pip install 'jax[tpu]'), and report the fused programs' HBM traffic and kernels beside the "
-                         "pre-optimisation figures, and their roofline on that accelerator")
+                         "pre-optimisation figures, and their roofline on that accelerator (for a GPU also with a "
+                         "2.5 us floor per kernel, infer.analytic.GPU_KERNEL_FLOOR_S)")
     an.add_argument("--dump-hlo", default=None, metavar="DIR",
                     help="with --compile-for: write each compiled program's HLO to DIR/<program>.hlo.gz (DIR/b<batch>_n<N>/ "
                          "for several shapes) "

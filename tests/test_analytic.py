@@ -139,6 +139,20 @@ def test_hbm_traffic_charges_fused_kernels_by_what_they_move():
     assert one_trip == {"bytes": rows + rows, "kernels": 1}
 
 
+def test_hbm_traffic_times_each_kernel_with_a_floor():
+    """With a bandwidth, each kernel costs its bytes at that bandwidth but at least the floor; the
+    asynchronous copy costs its bytes (no floor: a DMA); loop trips multiply."""
+    from infer.analytic import hbm_traffic
+    rows, layer = 8 * 256 * 4, 256 * 256 * 4
+    bw, floor = 1e9, 20e-6  # the slicing fusion (278 KB: 279 us) is above the floor, the 16 KB kernels below
+    r = hbm_traffic(_COMPILED, bytes_per_s=bw, kernel_floor_s=floor)
+    want = (layer + 4 + 2 * rows) / bw + layer / bw + floor + 3 * floor + floor
+    assert r["seconds"] == pytest.approx(want, rel=1e-12)
+    assert hbm_traffic(_COMPILED, bytes_per_s=bw)["seconds"] == pytest.approx(r["bytes"] / bw, rel=1e-12)
+    assert hbm_traffic(_COMPILED, loop=True, bytes_per_s=bw, kernel_floor_s=floor)["seconds"] == pytest.approx(floor)
+    assert "seconds" not in hbm_traffic(_COMPILED)
+
+
 def test_hbm_traffic_of_a_compiled_program_reads_the_weights_once():
     import jax
     import jax.numpy as jnp
