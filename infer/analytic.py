@@ -172,7 +172,8 @@ COMPILE_TARGETS = (*GPU_TARGETS, *TPU_TOPOLOGIES)
 # compiled GPU rows' third roofline: fitted to the one GPU measurement so far (README "On a lent GPU":
 # H200, SmolLM2-135M float32 at highest precision, a plain step of 705 kernels in 1.8 ms, a round of
 # 1,035 kernels and 19 GFLOP in 4.8 ms: 2.5 us a kernel beside 8.65 TFLOP/s). Two times, two
-# unknowns: a reading of one run, to be replaced by a profile when a GPU is lent.
+# unknowns: a reading of one run, to be replaced by a profile when a GPU is lent. The fit has no bytes
+# term, so the floor also absorbs that step's 0.54 GB of weight reads (~2.35 us without them).
 GPU_KERNEL_FLOOR_S = 2.5e-6
 
 

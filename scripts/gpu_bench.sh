@@ -118,9 +118,10 @@ else
   # float32 at `highest` the 60-token verification's ~19 GFLOP run on CUDA cores and, by the first run's
   # figures, cost about as much as all the round's launches (README "On a lent GPU"); greedy identity is
   # defined in float32 and only reported here
-  if budget 120 "bench: first 10 of them in bfloat16 (default precision), same tree"; then
+  # (within phase b's 240 s it can leave no time for the two steps after it: the dtype comes first)
+  if budget 90 "bench: first 10 of them in bfloat16 (default precision), same tree"; then
     env -u JAX_DEFAULT_MATMUL_PRECISION timeout $T ${BENCH/--dtype float32/--dtype bfloat16} --limit ${LIMIT:-10} \
-      --out /tmp/res/t0_bf16 2>&1 | grep -v "^bench:"
+      --gpu-graphs body --out /tmp/res/t0_bf16 2>&1 | grep -v "^bench:"
     cp /tmp/res/t0_bf16/results.json "$OUT/bench_t0_bf16.json" 2>/dev/null
   fi
   # the whole decode loop in one CUDA graph: no host wait per step or round (per-question rows in the JSON

@@ -205,8 +205,14 @@ def test_compile_for_a_gpu_without_one(shape):
     for c in (step, rnd, verify["compiled"]):  # the L2 serves some reads: never more than all of them in HBM
         assert 0 < c["bytes_l2"] <= c["bytes"]
     assert abs(r["compiled"]["bytes_l2"] - rnd["bytes_l2"] / step["bytes_l2"]) < 1e-9 and r["compiled"]["speedup_l2"] > 0
+    # every kernel at least the floor: never less than that many floors, nor than the L2 bytes at the bandwidth
+    from infer.analytic import GPU_KERNEL_FLOOR_S, GPU_TARGETS
+    for c in (step, rnd):
+        assert c["seconds_floor"] >= max(c["kernels"] * GPU_KERNEL_FLOOR_S, c["bytes_l2"] / GPU_TARGETS["h200"]["bandwidth"])
+    c = r["compiled"]
+    assert c["speedup_floor"] == pytest.approx(2.5 * c["step_ms_floor"] / c["round_ms_floor"])
     text = format_report(r)
-    assert "compiled by XLA for NVIDIA H200" in text and "kept in L2" in text
+    assert "compiled by XLA for NVIDIA H200" in text and "kept in L2" in text and "at least 2.5 us" in text
     # CUDA graphs, XLA's default: each trip's body one graph, the host waits on the condition every trip
     for h in (step["host"], rnd["host"]):
         assert not h["in_graph"] and h["graphs"] >= 1 and h["syncs"] == 1 and h["kernels"] > 0
