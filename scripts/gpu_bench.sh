@@ -7,7 +7,7 @@
 #   bash scripts/gpu_bench.sh a    # lossless tests on the GPU; the Llama-3.1-8B shape (random bf16 weights,
 #                                  # random head with a 32K draft vocabulary): plain step and round ms at
 #                                  # N = 16, 32, 60 and the round's compile seconds (per-layer weight buffers, the
-#                                  # GPU default); the Pallas attention kernel's tests and N = 60 with it; N = 60
+#                                  # GPU default); a profiler trace of 5 steps and 5 rounds (kernel times); the Pallas attention kernel's tests and N = 60 with it; N = 60
 #                                  # at a 4,000-token prompt, Pallas then XLA attention; N = 60 with the layers
 #                                  # scanned (EAGLE2_JAX_LAYERS=scan); every program's compile seconds
 #   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head, reference tree 5/10/60: infer.bench on
@@ -78,6 +78,14 @@ if [ "$PHASE" = a ]; then
   if budget 150 "round cost: random Llama-3.1-8B shape, bfloat16, random head (times only), batch 1, N = 16, 32, 60"; then
     timeout $T $RC --batch 1 --total-tokens 16,32,60 --out /tmp/res/rc8b 2>&1 | grep -v "batch sizes"
     cp /tmp/res/rc8b/roundcost.json "$OUT/rc8b.json" 2>/dev/null
+  fi
+  # the kernels' own times in one step and one round (JAX profiler): what the analytic report's 2.5 us
+  # per-kernel floor (fitted to the first run) stands for; the programs come from the compile cache
+  if budget 90 "kernel times: profiler trace of 5 plain steps and 5 rounds at N = 60 (random 8B shape)"; then
+    timeout $T python3 scripts/trace_kernels.py --model "$RC_MODEL" --dtype bfloat16 --total-tokens 60 --trips 5 \
+      --out /tmp/res/trace 2>&1 | grep -v -i "warn"
+    cp /tmp/res/trace/kernels.json "$OUT/trace_kernels.json" 2>/dev/null
+    tar czf "$OUT/trace_8b.tgz" -C /tmp/res trace 2>/dev/null && ls -la "$OUT/trace_8b.tgz"
   fi
   if budget 60 "the Pallas tree-attention kernel (opt-in): its tests on the GPU (Triton)"; then
     timeout $T python3 -m pytest -x -q -p no:cacheprovider tests/test_pallas.py -k "equals or bfloat16 or lossless" 2>&1 | tail -3
