@@ -10,7 +10,9 @@ donating their state as generation does) runs twice untraced, then --trips times
 program: the wall time per trip, the device events per trip (on a GPU the kernels and copies of the
 device planes; elsewhere the XLA ops of the host threads, so a CPU dry run exercises the same code)
 with their summed and median durations, how many last under 5 us and what they sum to, and the idle
-time between them ((wall - busy) / events). The raw traces stay under DIR for a closer look.
+time between them ((wall - busy) / events). The raw traces stay under DIR for a closer look. Compare
+events per trip with the compiled kernel count (`infer.roundcost --analytic --compile-for h200`:
+~624 a step, ~734 a round at batch 1): far fewer means the profiler saw CUDA graphs, not their kernels.
 """
 from __future__ import annotations
 
