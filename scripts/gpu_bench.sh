@@ -7,7 +7,8 @@
 #   bash scripts/gpu_bench.sh a    # lossless tests on the GPU; the Llama-3.1-8B shape (random bf16 weights,
 #                                  # random head with a 32K draft vocabulary): plain step and round ms at
 #                                  # N = 16, 32, 60 and the round's compile seconds (per-layer weight buffers, the
-#                                  # GPU default); a profiler trace of 5 steps and 5 rounds (kernel times); the Pallas attention kernel's tests and N = 60 with it; N = 60
+#                                  # GPU default); a profiler trace of 5 steps and 5 rounds (kernel times);
+#                                  # the Pallas attention kernel's tests and N = 60 with it; N = 60
 #                                  # at a 4,000-token prompt, Pallas then XLA attention; N = 60 with the layers
 #                                  # scanned (EAGLE2_JAX_LAYERS=scan); every program's compile seconds
 #   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head, reference tree 5/10/60: infer.bench on
@@ -80,7 +81,8 @@ if [ "$PHASE" = a ]; then
     cp /tmp/res/rc8b/roundcost.json "$OUT/rc8b.json" 2>/dev/null
   fi
   # the kernels' own times in one step and one round (JAX profiler): what the analytic report's 2.5 us
-  # per-kernel floor (fitted to the first run) stands for; the programs come from the compile cache
+  # per-kernel floor (fitted to the first run) stands for; the same programs as the round cost's, so
+  # they may come from the compile cache
   if budget 90 "kernel times: profiler trace of 5 plain steps and 5 rounds at N = 60 (random 8B shape)"; then
     timeout $T python3 scripts/trace_kernels.py --model "$RC_MODEL" --dtype bfloat16 --total-tokens 60 --trips 5 \
       --out /tmp/res/trace 2>&1 | grep -v -i "warn"
