@@ -62,13 +62,14 @@ def parse_mesh(spec: Optional[str]) -> Optional[Mesh]:
     """'data=2,model=4' -> Mesh; None or '' -> None (single device)."""
     if not spec:
         return None
-    sizes = {"data": 1, "model": 1}
+    sizes, seen = {"data": 1, "model": 1}, set()
     for part in spec.split(","):
         name, _, val = part.partition("=")
         name = name.strip()
-        if name not in sizes or not val.strip().isdigit() or int(val) < 1:
-            raise ValueError(f"bad --mesh {spec!r}: expected e.g. 'data=2,model=4'")
+        if name not in sizes or name in seen or not val.strip().isdigit() or int(val) < 1:
+            raise ValueError(f"bad --mesh {spec!r}: expected e.g. 'data=2,model=4', each axis at most once")
         sizes[name] = int(val)
+        seen.add(name)
     return make_mesh(sizes["data"], sizes["model"])
 
 

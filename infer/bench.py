@@ -14,37 +14,42 @@ the batches already there and runs the rest, so a long run survives an interrupt
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
 import sys
 import time
 
+from infer.cli import Parser, fail, nonneg_float, positive_int, tree_size, writable_dir
+
 DEFAULT_QUESTIONS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval",
                                                  "mt_bench.jsonl"))
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m infer.bench", description=__doc__)
     ap.add_argument("--questions", default=DEFAULT_QUESTIONS, help="EAGLE/MT-bench jsonl (`turns`)")
-    ap.add_argument("--limit", type=int, default=None, help="first N questions")
+    ap.add_argument("--limit", type=positive_int, default=None, help="first N questions")
     ap.add_argument("--categories", nargs="*", default=None, help="only these categories")
-    ap.add_argument("--turns", type=int, default=1, help="turns per question (MT-bench has 2; default 1)")
+    ap.add_argument("--turns", type=positive_int, default=1, help="turns per question (MT-bench has 2; default 1)")
     ap.add_argument("--methods", default="plain,eagle", help="comma list of plain, eagle, hf, hf-pld")
-    ap.add_argument("--hf-limit", type=int, default=None,
+    ap.add_argument("--hf-limit", type=positive_int, default=None,
                     help="run transformers (hf, hf-pld) on the first N questions only (it is the slow one); its "
                          "ratios then compare against ours on those same questions")
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="target: a named model, a Hugging Face directory or a .gguf file (default smollm2-135m-instruct)")
     ap.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
-    ap.add_argument("--depth", type=int, default=None)
-    ap.add_argument("--top-k", type=int, default=None)
-    ap.add_argument("--total-tokens", default=None, help="an integer, or 'auto' (tuned on this machine)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=1, help="prompts decoded together (first turns only when > 1)")
+    ap.add_argument("--depth", type=positive_int, default=None,
+                    help="EAGLE-2 draft passes after the root's children (default from the head, else 5)")
+    ap.add_argument("--top-k", type=positive_int, default=None,
+                    help="EAGLE-2 children per node / frontier width (default from the head, else 10)")
+    ap.add_argument("--total-tokens", type=tree_size, default=None,
+                    help="EAGLE-2 tokens verified per round, root included: an integer, or 'auto' (tuned on this "
+                         "machine; default from the head, else 60)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=256, help="new tokens per answer (default 256)")
+    ap.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default); > 0 samples")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    ap.add_argument("--batch", type=positive_int, default=1, help="prompts decoded together (first turns only when > 1)")
     ap.add_argument("--attention", choices=["xla", "pallas"], default="xla",
                     help="pallas: attention as one Pallas kernel reading only the live cache blocks (GPU/TPU; "
                          "eagle2_jax.pallas, not yet measured on a device, so not the default)")
@@ -65,7 +70,7 @@ def parse(argv=None):
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
                          "on XLA:CPU here")
-    ap.add_argument("--out", default="runs/bench", help="output directory")
+    ap.add_argument("--out", type=writable_dir, default="runs/bench", help="output directory (default runs/bench)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the batches of questions already answered in --out/results.json (same settings; "
                          "a larger --limit extends the run, a smaller one keeps the answers beyond it) and answer "
@@ -75,11 +80,22 @@ def parse(argv=None):
 
 
 def load_questions(path, limit, categories):
-    if not os.path.exists(path):
-        sys.exit(f"error: question file not found: {path}")
-    qs = [json.loads(line) for line in open(path) if line.strip()]
-    for i, q in enumerate(qs):
-        q.setdefault("question_id", i)  # (rows and --resume key answers by it)
+    if not os.path.isfile(path):
+        fail(f"question file not found: {path}")
+    qs = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{path}, line {n}: not JSON ({e.msg})")
+            turns = q.get("turns") if isinstance(q, dict) else None
+            if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
+                fail(f"{path}, line {n}: expected an object with \"turns\", a list of non-empty strings")
+            q.setdefault("question_id", len(qs))  # (rows and --resume key answers by it)
+            qs.append(q)
     if categories:
         qs = [q for q in qs if q.get("category") in categories]
     return qs[:limit] if limit else qs
@@ -160,45 +176,43 @@ def main(argv=None):
     from eagle2_jax.programs import enable_compile_cache
     enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
 
-    from eagle2_jax import load_draft, load_target
+    from eagle2_jax import CheckpointError, load_draft, load_target
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = set(methods) - {"plain", "eagle", "hf", "hf-pld"}
     if bad:
-        sys.exit(f"error: unknown method(s) {', '.join(sorted(bad))}")
+        fail(f"unknown method(s) {', '.join(sorted(bad))} (known: plain, eagle, hf, hf-pld)")
     questions = load_questions(args.questions, args.limit, args.categories)
     if not questions:
-        sys.exit("error: no questions selected")
-    target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
+        fail("no questions selected")
     from eagle2_jax import pallas
     try:
+        target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
         target, _ = pallas.by_name(args.attention, target)
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    except (CheckpointError, ValueError) as e:
+        fail(str(e))
     tok = target.tokenizer
     if tok is None:
-        sys.exit(f"error: {args.model} has no tokenizer (random weights?): time it with python -m infer.roundcost")
+        fail(f"{args.model} has no tokenizer (random weights?): time it with python -m infer.roundcost")
     runners = {}
     tree = None
     for m in methods:
         if m == "plain":
             runners[m] = Ours(m, target, None, None, args)
         elif m == "eagle":
-            draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype, draft_vocab=not args.full_draft_vocab)
             from infer.generate import tree_for
-            tree = tree_for(args, draft, target, [render(tok, [{"role": "user", "content": q["turns"][0]}])
-                                                  for q in questions[:2]])
+            try:
+                draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype,
+                                   draft_vocab=not args.full_draft_vocab)
+                tree = tree_for(args, draft, target, [render(tok, [{"role": "user", "content": q["turns"][0]}])
+                                                      for q in questions[:2]])
+            except (CheckpointError, ValueError) as e:
+                fail(str(e))
             runners[m] = Ours(m, target, draft, tree, args)
         else:
             try:
                 runners[m] = HF(m, target, args, pld=(m == "hf-pld"))
             except ImportError:
                 print(f"skipping {m}: torch/transformers not installed", file=sys.stderr)
-    # warm-up: compile the buckets of a short prompt (ours), or one short run (transformers); reported, not timed
-    warm = {}
-    for m, r in runners.items():
-        t0 = time.perf_counter()
-        getattr(r, "warm", r)([render(tok, [{"role": "user", "content": "Hello!"}])] * args.batch)
-        warm[m] = time.perf_counter() - t0
     groups = [questions[i:i + args.batch] for i in range(0, len(questions), args.batch)]
     done = set()
     rows = []
@@ -206,7 +220,16 @@ def main(argv=None):
         try:
             rows, done = resumed(args.out, settings(args, runners, tree), groups)
         except ValueError as e:
-            sys.exit(f"error: {e}")
+            fail(str(e))
+    # warm-up: compile the buckets of a short prompt (ours), or one short run (transformers); reported, not timed
+    warm = {}
+    for m, r in runners.items():
+        t0 = time.perf_counter()
+        try:
+            getattr(r, "warm", r)([render(tok, [{"role": "user", "content": "Hello!"}])] * args.batch)
+        except ValueError as e:
+            fail(str(e))
+        warm[m] = time.perf_counter() - t0
     hf_groups = len(groups) if args.hf_limit is None else -(-args.hf_limit // args.batch)
     n_hf = sum(m.startswith("hf") for m in runners)
     total = len(questions) * (len(runners) - n_hf) + min(len(questions), hf_groups * args.batch) * n_hf
@@ -228,7 +251,11 @@ def main(argv=None):
                 for i in live:
                     convs[m][i].append({"role": "user", "content": group[i]["turns"][turn]})
                     prompts.append(render(tok, convs[m][i]))
-                toks, run_s, compile_s, acc = r(prompts)
+                try:
+                    toks, run_s, compile_s, acc = r(prompts)
+                except ValueError as e:  # e.g. a conversation grown past the model's positions
+                    fail(f"{m}, questions {[group[i].get('question_id') for i in live]}, turn {turn + 1}: {e} "
+                         f"(the batches before it are in {args.out}; --resume continues)")
                 for j, i in enumerate(live):
                     convs[m][i].append({"role": "assistant", "content": tok.decode(toks[j], skip_special_tokens=True)})
                     rows.append(dict(method=m, question_id=group[i].get("question_id"), category=group[i].get("category"),
@@ -261,9 +288,14 @@ def resumed(out, now, groups):
     path = os.path.join(out, "results.json")
     if not os.path.exists(path):
         return [], set()
-    with open(path) as f:
-        old = json.load(f)
-    before = old["summary"].get("settings")
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        before = old["summary"].get("settings")
+        old["rows"]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a results file of infer.bench ({type(e).__name__}: {e}): "
+                         "use another --out, or drop --resume to overwrite it") from None
     now = json.loads(json.dumps(now))  # (as it would read back: lists for tuples)
     if before != now:
         diff = sorted(k for k in set(now) | set(before or {}) if (before or {}).get(k) != now.get(k))

@@ -13,12 +13,13 @@ report follows, as load_target does; EAGLE2_JAX_LAYERS=scan|list overrides), one
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
 import sys
 import time
+
+from infer.cli import Parser, ensure_parent, nonneg_float, positive_int, positive_ints, writable_file
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?[%\w.\-]+\s*=\s*\S")
 
@@ -80,31 +81,31 @@ def report(model: str, dtype: str, layers, batch: int, prompt_len: int, max_new:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="python -m infer.compile_report",
         description="Lower and compile the prefill, plain-decode and EAGLE-2 programs for a model shape with "
                     "abstract params (nothing allocated) at several layer counts; print seconds and HLO "
                     "instruction counts and write JSON.")
     ap.add_argument("--model", default="random:llama-3.1-8b",
                     help="random:<shape> or random:<config.json> (the shape; its layer count is replaced)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--layers", default="2,8,32,80", help="comma-separated layer counts")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (sets the prompt bucket)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--depth", type=int, default=5)
-    ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--total-tokens", type=int, default=60)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: the greedy programs, > 0: sampling")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                    help="parameter and cache dtype of the lowered programs (default bfloat16)")
+    ap.add_argument("--layers", type=positive_ints, default="2,8,32,80",
+                    help="comma-separated layer counts (default 2,8,32,80)")
+    ap.add_argument("--batch", type=positive_int, default=1, help="rows decoded together (default 1)")
+    ap.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens (sets the prompt bucket)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=256,
+                    help="new tokens (with --prompt-len: the cache bucket; default 256)")
+    ap.add_argument("--depth", type=positive_int, default=5, help="EAGLE-2 draft passes after the root's children (default 5)")
+    ap.add_argument("--top-k", type=positive_int, default=10, help="EAGLE-2 children per node / frontier width (default 10)")
+    ap.add_argument("--total-tokens", type=positive_int, default=60,
+                    help="EAGLE-2 tokens verified per round, root included (default 60)")
+    ap.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: the greedy programs, > 0: sampling")
     ap.add_argument("--lower-only", action="store_true", help="lower, do not compile (no hlo_ops, compile_s)")
-    ap.add_argument("--json", default="compile_report.json", help="where to write the rows")
+    ap.add_argument("--json", type=writable_file, default="runs/compile_report.json",
+                    help="where to write the rows (default runs/compile_report.json)")
     args = ap.parse_args(argv)
-    try:
-        layers = [int(x) for x in args.layers.split(",") if x.strip()]
-        if not layers or min(layers) < 1:
-            raise ValueError
-    except ValueError:
-        ap.error(f"--layers must be positive integers separated by commas, got {args.layers!r}")
+    layers = args.layers
     import eagle2_jax as e2
     try:
         tree = e2.TreeConfig(args.depth, args.top_k, args.total_tokens)
@@ -124,7 +125,7 @@ def main(argv=None):
     meta = dict(model=args.model, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
                 max_new_tokens=args.max_new_tokens, tree=[args.depth, args.top_k, args.total_tokens],
                 temperature=args.temperature, backend=jax.default_backend(), jax=jax.__version__)
-    with open(args.json, "w") as f:
+    with open(ensure_parent(args.json), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=2)
     print(f"wrote {args.json}")
     return 0

@@ -10,17 +10,17 @@ tokens added per round, bonus included).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
+from infer.cli import Parser, nonneg_float, nonneg_int, positive_int, probability, tree_size
+
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> Parser:
+    ap = Parser(prog="python -m infer.generate", description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="target: a named model, a Hugging Face directory (config.json + safetensors) or a .gguf file")
     ap.add_argument("--draft", default="auto",
@@ -31,14 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", action="append", default=None,
                     help=f"user message; repeat for a batch (default: {DEFAULT_PROMPT!r})")
     ap.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    ap.add_argument("--sample-top-k", type=int, default=0, help="sample only among the k most likely tokens (0: off)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens per prompt (default 128)")
+    ap.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default); > 0 samples")
+    ap.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    ap.add_argument("--sample-top-k", type=nonneg_int, default=0, help="sample only among the k most likely tokens (0: off)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed; rows draw independent numbers")
-    ap.add_argument("--depth", type=int, default=None, help="EAGLE-2 draft passes after the root's children (default from the head, else 5)")
-    ap.add_argument("--top-k", type=int, default=None, help="EAGLE-2 children per node / frontier width (default from the head, else 10)")
-    ap.add_argument("--total-tokens", default=None,
+    ap.add_argument("--depth", type=positive_int, default=None, help="EAGLE-2 draft passes after the root's children (default from the head, else 5)")
+    ap.add_argument("--top-k", type=positive_int, default=None, help="EAGLE-2 children per node / frontier width (default from the head, else 10)")
+    ap.add_argument("--total-tokens", type=tree_size, default=None,
                     help="EAGLE-2 tokens verified per round, root included (default from the head, else 60); "
                          "'auto' times rounds on this machine and picks the size with the best expected tokens/s")
     ap.add_argument("--attention", choices=["xla", "pallas"], default="xla",
@@ -83,7 +83,7 @@ def tree_for(args, draft, target=None, prompts=None):
     for k in ("depth", "top_k", "total_tokens"):
         v = getattr(args, k)
         if v is not None:
-            d[k] = v if k != "total_tokens" or v == "auto" else int(v)
+            d[k] = v
     if d.get("total_tokens") == "auto":
         from eagle2_jax.autotune import choose_tree
         base = TreeConfig()
@@ -116,7 +116,8 @@ def main(argv=None):
             if args.draft != "auto" or (name in NAMED_DRAFTS and os.path.isdir(NAMED_DRAFTS[name])):
                 draft = load_draft(name, target, dtype=args.draft_dtype, draft_vocab=not args.full_draft_vocab)
         if args.mode == "eagle" and draft is None:
-            raise CheckpointError(f"--mode eagle needs a draft head: none is shipped for {args.model!r}; pass --draft")
+            raise CheckpointError("--mode eagle needs a draft head: pass --draft (not 'none')" if args.draft == "none"
+                                  else f"--mode eagle needs a draft head: none is shipped for {args.model!r}; pass --draft")
         from eagle2_jax import pallas
         target, draft = pallas.by_name(args.attention, target, draft)
         load_s = time.perf_counter() - t0
@@ -150,7 +151,7 @@ def main(argv=None):
         sys.stdout.write(text[len(prev):])
         sys.stdout.flush()
 
-    mode = "EAGLE-2" if draft is not None else "plain"
+    mode = "plain" if draft is None else "EAGLE-2, EAGLE-3 head" if draft.arch == "eagle3" else "EAGLE-2"
     print(f"[{mode}] {args.model}" + (f" + draft {draft.source} {tree}" if draft else "") +
           f" ({target.num_params / 1e6:.0f}M params, {jnp_name(target.dtype)}, loaded in {load_s:.1f}s)", file=sys.stderr)
     timings = {}

@@ -27,32 +27,35 @@ programs move to and from HBM, and their kernels.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
+from infer.cli import (Parser, ensure_parent, fail, nonneg_int, positive_int, positive_ints, tokens_per_round,
+                       writable_dir, writable_file)
+
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m infer.roundcost", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m infer.roundcost", description=__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="target: a name, HF dir or .gguf, or random:<shape> (random weights of a published shape, e.g. random:llama-3.1-8b, with a random head: times only)")
     ap.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
-    ap.add_argument("--batch", default="1,4,16", help="comma list of batch sizes")
-    ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--total-tokens", default="2,4,8,16,32,64", help="comma list of tree sizes N")
+    ap.add_argument("--batch", type=positive_ints, default="1,4,16", help="comma list of batch sizes (default 1,4,16)")
+    ap.add_argument("--depth", type=positive_int, default=4,
+                    help="EAGLE-2 draft passes after the root's children (default 4)")
+    ap.add_argument("--top-k", type=positive_int, default=4, help="EAGLE-2 children per node / frontier width (default 4)")
+    ap.add_argument("--total-tokens", type=positive_ints, default="2,4,8,16,32,64",
+                    help="comma list of tree sizes N, tokens verified per round, root included (default 2,4,8,16,32,64)")
     ap.add_argument("--questions", default=None,
                     help="EAGLE/MT-bench jsonl whose first turns are the prompts (default: shared MT-bench)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=positive_int, default=5, help="timed runs of each program; the best counts (default 5)")
     ap.add_argument("--parts", choices=["all", "round"], default="all",
                     help="'round': time only the whole round and the plain step (a quarter of the compiles; "
                          "for large shapes on a lent accelerator), leaving the draft/verify/accept columns empty")
-    ap.add_argument("--calibration-rounds", type=int, default=16,
+    ap.add_argument("--calibration-rounds", type=positive_int, default=16,
                     help="greedy rounds walked with the largest tree to measure tokens per round of every size")
-    ap.add_argument("--calibration-prompts", type=int, default=16,
+    ap.add_argument("--calibration-prompts", type=positive_int, default=16,
                     help="prompts in the acceptance walk (at least the batch size): acceptance is a per-row "
                          "quantity, so small batches borrow more prompts for it")
-    ap.add_argument("--max-new-tokens", type=int, default=256,
+    ap.add_argument("--max-new-tokens", type=positive_int, default=256,
                     help="size the caches for generations of this length (attention reads the whole padded cache)")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="auto: float32 on CPU, bfloat16 on GPU/TPU")
@@ -64,17 +67,18 @@ def parse(argv=None):
                     help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
                          "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
                          "on XLA:CPU here")
-    ap.add_argument("--out", default="runs/bench/roundcost")
+    ap.add_argument("--out", type=writable_dir, default="runs/bench/roundcost",
+                    help="output directory for roundcost.json / .md / .png (default runs/bench/roundcost)")
     an = ap.add_argument_group("analytic (--analytic: cost analysis of the lowered programs, nothing runs)")
     an.add_argument("--analytic", action="store_true", help="report bytes / FLOPs / kernels and the roofline instead of timing")
-    an.add_argument("--prompt-len", type=int, default=64,
+    an.add_argument("--prompt-len", type=positive_int, default=64,
                     help="prompt tokens (with --max-new-tokens: the cache bucket); also when timing a random "
                          "target (random token prompts of this length)")
-    an.add_argument("--tau", type=float, default=4.5, help="tokens per round for the roofline speedup")
+    an.add_argument("--tau", type=tokens_per_round, default=4.5, help="tokens per round for the roofline speedup")
     from infer.analytic import ACCELERATORS, COMPILE_TARGETS
     an.add_argument("--accelerator", default="h200", choices=sorted(ACCELERATORS),
                     help="peak bandwidth and bf16 FLOP/s for the roofline (infer/analytic.py)")
-    an.add_argument("--draft-vocab", type=int, default=32000,
+    an.add_argument("--draft-vocab", type=nonneg_int, default=32000,
                     help="draft vocabulary size (frequency-ranked ids; 0: the full vocabulary)")
     an.add_argument("--attention", choices=["xla", "pallas"], default="xla",
                     help="pallas: the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered "
@@ -98,25 +102,35 @@ def parse(argv=None):
                          "what the host launches and waits for per trip")
     an.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="skip compiling for kernel counts (bytes and FLOPs only)")
-    an.add_argument("--json", default=None, help="write the report(s) as JSON")
-    return ap.parse_args(argv)
+    an.add_argument("--json", type=writable_file, default=None, help="write the report(s) as JSON")
+    args = ap.parse_args(argv)
+    if args.analytic:  # (timing caps N at the candidate pool + 1 instead)
+        from eagle2_jax import TreeConfig
+        try:
+            for n in args.total_tokens:
+                TreeConfig(args.depth, args.top_k, n)
+        except ValueError as e:
+            ap.error(str(e))
+    return args
 
 
 def analytic_main(args):
     from infer.analytic import analyze, format_report
     reports = []
-    shapes = [(int(b), int(n)) for b in args.batch.split(",") for n in args.total_tokens.split(",")]
+    shapes = [(b, n) for b in args.batch for n in args.total_tokens]
     for bsz, n in shapes:
         dump = args.dump_hlo and (args.dump_hlo if len(shapes) == 1 else os.path.join(args.dump_hlo, f"b{bsz}_n{n}"))
         model = "random:smollm2-135m" if args.model == "smollm2-135m-instruct" else args.model  # shapes only
-        r = analyze(model,
-                    "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len, args.max_new_tokens, args.depth, args.top_k, n,
-                    args.draft_vocab, args.tau, args.accelerator, args.kernels and not args.compile_for,
-                    args.attention, args.compile_for, dump, args.gpu_graphs)
+        try:
+            r = analyze(model, "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len,
+                        args.max_new_tokens, args.depth, args.top_k, n, args.draft_vocab, args.tau, args.accelerator,
+                        args.kernels and not args.compile_for, args.attention, args.compile_for, dump, args.gpu_graphs)
+        except ValueError as e:
+            fail(str(e))
         print(format_report(r) + "\n", flush=True)
         reports.append(r)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(ensure_parent(args.json), "w") as f:
             json.dump(reports[0] if len(reports) == 1 else reports, f, indent=2)
         print(f"wrote {args.json}")
 
@@ -318,12 +332,15 @@ def main(argv=None):
     from eagle2_jax.programs import enable_compile_cache
     enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
     from tqdm import tqdm
-    from eagle2_jax import load_draft, load_target
-    target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
-    draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype)
-    sizes = [int(x) for x in args.total_tokens.split(",")]
+    from eagle2_jax import CheckpointError, load_draft, load_target
+    try:
+        target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
+        draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype)
+    except (CheckpointError, ValueError) as e:
+        fail(str(e))
+    sizes = args.total_tokens
     rows = []
-    for bsz in tqdm([int(x) for x in args.batch.split(",")], desc="batch sizes", unit="batch"):
+    for bsz in tqdm(args.batch, desc="batch sizes", unit="batch"):
         prompts = load_prompts(target, args.questions, bsz, args.prompt_len)
         calib = load_prompts(target, args.questions, max(bsz, args.calibration_prompts), args.prompt_len)
         done = list(rows)

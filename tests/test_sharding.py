@@ -44,6 +44,8 @@ def test_parse_mesh():
     assert dict(parse_mesh("data=2,model=4").shape) == {"data": 2, "model": 4}
     with pytest.raises(ValueError, match="bad --mesh"):
         parse_mesh("data=two")
+    with pytest.raises(ValueError, match="at most once"):
+        parse_mesh("data=2,data=4")
     with pytest.raises(ValueError, match="needs 16 devices"):
         parse_mesh("data=4,model=4")
 

@@ -11,16 +11,16 @@ A shard is written atomically; a restart skips the shards that exist.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
 import re
-import sys
 import time
 from typing import Iterable
 
 import numpy as np
+
+from infer.cli import Parser, fail, nonneg_float, nonneg_int, positive_int, writable_dir
 
 DEFAULT_SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
 DEFAULT_TRAIN_FILES = ("train/sharegpt_v3_filtered_1000.json", "train/alpaca_en_demo_1k.json",
@@ -31,10 +31,23 @@ EVAL_FILES = ("eval/mt_bench.jsonl", "eval/humaneval.jsonl", "eval/gsm8k.jsonl",
 
 def _records(path: str) -> list:
     with open(path) as f:
-        if path.endswith(".jsonl"):
-            return [json.loads(line) for line in f if line.strip()]
-        data = json.load(f)
-    return data if isinstance(data, list) else [data]
+        try:
+            if path.endswith(".jsonl"):
+                recs = []
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            recs.append(json.loads(line))
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"{path}, line {n}: not JSON ({e.msg})") from None
+            else:
+                data = json.load(f)
+                recs = data if isinstance(data, list) else [data]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    if not all(isinstance(r, dict) for r in recs):
+        raise ValueError(f"{path}: expected JSON objects (records), one per line or in a list")
+    return recs
 
 
 def prompt_of(rec: dict) -> str:
@@ -149,38 +162,48 @@ def read_shards(directory: str) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m train.data", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m train.data", description=__doc__)
     ap.add_argument("--target", default="smollm2-135m-instruct", help="target model (name, HF dir or .gguf)")
-    ap.add_argument("--out", required=True, help="output directory for shard_*.npz")
+    ap.add_argument("--out", type=writable_dir, required=True,
+                    help="output directory for shard_*.npz (a rerun with the same settings resumes)")
     ap.add_argument("--shared-data", default=DEFAULT_SHARED, help="the shared data folder (train/ and eval/)")
     ap.add_argument("--files", nargs="*", default=None, help="prompt files (default: all of shared train/)")
-    ap.add_argument("--max-prompts", type=int, default=1500, help="use at most this many prompts")
-    ap.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer rendered prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=256, help="response length cap")
-    ap.add_argument("--temperature", type=float, default=0.0, help="response sampling temperature (0: greedy)")
-    ap.add_argument("--batch-size", type=int, default=16, help="prompts decoded together")
-    ap.add_argument("--shard-size", type=int, default=64, help="examples per shard")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-prompts", type=positive_int, default=1500, help="use at most this many prompts")
+    ap.add_argument("--max-prompt-tokens", type=positive_int, default=384, help="skip longer rendered prompts")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=256, help="response length cap")
+    ap.add_argument("--temperature", type=nonneg_float, default=0.0, help="response sampling temperature (0: greedy)")
+    ap.add_argument("--batch-size", type=positive_int, default=16, help="prompts decoded together")
+    ap.add_argument("--shard-size", type=positive_int, default=64, help="examples per shard")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the target's dtype while it writes the responses (default float32)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed at --temperature > 0 (default 0)")
     ap.add_argument("--responses", choices=["target", "dataset"], default="target",
                     help="target: the target writes the responses (self-distillation); dataset: use the files' own "
                          "answers (no generation; the loss still uses the target's distributions)")
-    ap.add_argument("--skip", type=int, default=0, help="skip the first N usable prompts (e.g. those self-distilled)")
+    ap.add_argument("--skip", type=nonneg_int, default=0, help="skip the first N usable prompts (e.g. those self-distilled)")
     args = ap.parse_args(argv)
 
     from tqdm import tqdm
 
-    from eagle2_jax import generate_vanilla, load_target
+    from eagle2_jax import CheckpointError, generate_vanilla, load_target
 
     files = args.files or [os.path.join(args.shared_data, f) for f in DEFAULT_TRAIN_FILES]
-    missing = [f for f in files if not os.path.exists(f)]
+    missing = [f for f in files if not os.path.isfile(f)]
     if missing:
-        sys.exit(f"error: prompt file not found: {missing[0]}")
-    if args.responses == "dataset":
-        return _dataset_responses(args, files)
-    prompts = load_prompts(files, eval_prompts(args.shared_data))
-    target = load_target(args.target, dtype=args.dtype)
+        fail(f"prompt file not found: {missing[0]}")
+    meta = {"target": args.target, "skip": args.skip, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "files": [os.path.relpath(x, args.shared_data) for x in files],
+            "dtype": args.dtype, "seed": args.seed, "shard_size": args.shard_size,
+            "max_prompt_tokens": args.max_prompt_tokens}
+    if args.responses == "target":
+        check_resume(args.out, meta)
+    try:
+        if args.responses == "dataset":
+            return _dataset_responses(args, files)
+        prompts = load_prompts(files, eval_prompts(args.shared_data))
+        target = load_target(args.target, dtype=args.dtype)
+    except (CheckpointError, ValueError) as e:
+        fail(str(e))
     tok = target.tokenizer
     rendered, usable = [], 0
     for p in prompts:
@@ -193,13 +216,13 @@ def main(argv=None):
         if len(rendered) >= args.max_prompts:
             break
     if not rendered:
-        sys.exit(f"error: no usable prompts left after --skip {args.skip} ({usable} usable in {len(files)} files)")
-    os.makedirs(args.out, exist_ok=True)
+        fail(f"no usable prompts left after --skip {args.skip} ({usable} usable in {len(files)} files)")
     shards = [rendered[i:i + args.shard_size] for i in range(0, len(rendered), args.shard_size)]
+    meta.update(prompts=len(rendered), shards=len(shards))
+    check_resume(args.out, meta)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "meta.json"), "w") as f:
-        json.dump({"target": args.target, "prompts": len(rendered), "shards": len(shards),
-                   "skip": args.skip, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                   "files": [os.path.relpath(x, args.shared_data) for x in files]}, f, indent=2)
+        json.dump(meta, f, indent=2)
     eos = target.config.eos_token_id
     todo = [i for i in range(len(shards)) if not os.path.exists(os.path.join(args.out, f"shard_{i:05d}.npz"))]
     bar = tqdm(total=len(rendered), initial=(len(shards) - len(todo)) * args.shard_size, unit="prompt",
@@ -223,11 +246,34 @@ def main(argv=None):
     print(f"{len(rendered)} examples in {len(shards)} shards at {args.out}")
 
 
+def check_resume(out: str, meta: dict):
+    """A rerun into `out` continues the run there: refuse one whose shards would differ. The shards
+    are kept by index, so the settings that decide their contents must match those in meta.json
+    (the ones it records), and the prompt count may change only where the last old shard is full."""
+    shards = glob.glob(os.path.join(out, "shard_*.npz"))
+    path = os.path.join(out, "meta.json")
+    if not shards or not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        fail(f"{path} is unreadable ({e}): use another --out")
+    diff = sorted(k for k in old if k in meta and k not in ("prompts", "shards") and old[k] != meta[k])
+    if diff:
+        fail(f"{out} holds shards written with other settings ({', '.join(diff)}): use another --out, or the "
+             f"same settings to resume")
+    size = old.get("shard_size", meta["shard_size"])
+    if "prompts" in meta and old.get("prompts") not in (None, meta["prompts"]) and old["prompts"] % size:
+        fail(f"{out} holds {old['prompts']} prompts, its last shard partial: resume with --max-prompts "
+             f"{old['prompts']}, or use another --out")
+
+
 def _dataset_responses(args, files):
     from eagle2_jax.checkpoints import load_target
+    pairs = load_prompts(files, eval_prompts(args.shared_data), with_responses=True)[args.skip:]
     tok = load_target(args.target, dtype=args.dtype).tokenizer
     eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
-    pairs = load_prompts(files, eval_prompts(args.shared_data), with_responses=True)[args.skip:]
     examples = []
     for p, r in pairs:
         ids = render_prompt(tok, p)

@@ -67,6 +67,97 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
                 time_limit=0.0, example_len=2048, aux_layers=None)
 
 
+HELP = dict(
+    target="target model: a named model, a Hugging Face directory or a .gguf file",
+    dtype="the target's dtype, float32 or bfloat16",
+    data="shard directories written by python -m train.data, comma-separated; held-out examples come from the first",
+    out="run directory: Orbax checkpoints, log.jsonl, config.json, the feature cache, final_orbax",
+    export="directory for the trained head in the EAGLE layout (bf16 safetensors); unset: not exported",
+    steps="optimizer steps in all (a rerun resumes up to it); 0 with --init-from evaluates that head, nothing more",
+    batch_size="packed sequences per step",
+    seq_len="tokens per packed sequence",
+    lr="peak learning rate (AdamW)",
+    warmup_steps="linear warm-up steps before the cosine decay",
+    min_lr_ratio="floor of the cosine decay, as a fraction of lr",
+    weight_decay="AdamW weight decay",
+    clip_norm="global gradient-norm clip",
+    noise="EAGLE-2: uniform noise U(-noise, noise) on the input features",
+    v_weight="EAGLE-2: weight of the smooth-L1 feature regression",
+    p_weight="EAGLE-2: weight of the soft cross-entropy through the target's LM head",
+    heldout_examples="last examples of the first data set, never trained on, used by the evaluations",
+    seed="initialisation and batch-order seed",
+    mesh="device mesh, e.g. data=2 (unset: one device)",
+    log_every="steps between log lines (log.jsonl)",
+    ckpt_every="steps between Orbax checkpoints",
+    eval_every="steps between held-out evaluations",
+    eval_tau_prompts="held-out prompts generated with --tree at each evaluation to report tau (0: none)",
+    eval_tau_tokens="new tokens per such prompt",
+    tree="depth,top_k,total_tokens of the evaluation tree (e.g. 3,4,16)",
+    init_from="a head directory to continue from (same arch)",
+    feature_cache="true: the target's features computed once into <out>/features, read by every step",
+    draft_vocab="cross-entropy over this many most frequent assistant tokens, or a draft_vocab.json path",
+    feature_batch="packed sequences per target forward while the feature cache fills",
+    rollout="training-time test: steps of the head's own rollout (1: none)",
+    rollout_decay="loss weight of rollout step k: rollout_decay**k",
+    arch="eagle2 (an EAGLE-1/2 head) or eagle3 (an EAGLE-3 head)",
+    eagle3_head_init="eagle3: the final norm and LM head start from the target's (target) or at random (random)",
+    vocab_mask="eagle3: leave out of the loss the positions whose target argmax is not a draft token",
+    time_limit="minutes of training after which the head is exported as it is (0: none; a rerun resumes)",
+    example_len="examples are cropped to this many tokens",
+    aux_layers="eagle3: the three target layers whose entering streams fc fuses, e.g. 2,15,29",
+)
+
+# (key: (type, lowest value, whether the lowest is allowed)) checked after the YAML and flags merge
+RANGES = dict(steps=(int, 0, True), batch_size=(int, 1, True), seq_len=(int, 1, True), warmup_steps=(int, 0, True),
+              heldout_examples=(int, 1, True), log_every=(int, 1, True), ckpt_every=(int, 1, True),
+              eval_every=(int, 1, True), eval_tau_prompts=(int, 0, True), eval_tau_tokens=(int, 1, True),
+              feature_batch=(int, 1, True), rollout=(int, 1, True), example_len=(int, 1, True),
+              seed=(int, None, True), lr=(float, 0, True), min_lr_ratio=(float, 0, True),
+              weight_decay=(float, 0, True), clip_norm=(float, 0, False), noise=(float, 0, True),
+              v_weight=(float, 0, True), p_weight=(float, 0, True), rollout_decay=(float, 0, False),
+              time_limit=(float, 0, True))
+CHOICES = dict(arch=("eagle2", "eagle3"), eagle3_head_init=("target", "random"), dtype=("float32", "bfloat16"))
+
+
+def check_config(cfg: dict):
+    """One-line errors for values no run can use, before the target loads."""
+    for k, (typ, low, inclusive) in RANGES.items():
+        v = cfg[k]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (typ is float or isinstance(v, int))
+        if not ok:
+            sys.exit(f"error: {k} must be {'an integer' if typ is int else 'a number'}, got {v!r}")
+        if low is not None and (v < low or (v == low and not inclusive)):
+            sys.exit(f"error: {k} must be {'at least' if inclusive else 'above'} {low}, got {v!r}")
+    if cfg["min_lr_ratio"] > 1:
+        sys.exit(f"error: min_lr_ratio must be at most 1, got {cfg['min_lr_ratio']!r}")
+    for k, allowed in CHOICES.items():
+        if cfg[k] not in allowed:
+            sys.exit(f"error: {k} must be {' or '.join(allowed)}, got {cfg[k]!r}")
+    for k in ("feature_cache", "vocab_mask"):
+        if not isinstance(cfg[k], bool):
+            sys.exit(f"error: {k} must be true or false, got {cfg[k]!r}")
+    from eagle2_jax import TreeConfig
+    try:
+        TreeConfig(**cfg["tree"])
+    except (TypeError, ValueError) as e:
+        sys.exit(f"error: tree {cfg['tree']!r}: {e}")
+    if cfg["steps"] == 0 and not cfg["init_from"]:
+        sys.exit("error: --steps 0 only evaluates an --init-from head: give one, or steps to train")
+    if os.path.exists(cfg["out"]) and not os.path.isdir(cfg["out"]):
+        sys.exit(f"error: --out {cfg['out']} exists and is not a directory")
+    if cfg["export"] and os.path.exists(cfg["export"]) and not os.path.isdir(cfg["export"]):
+        sys.exit(f"error: --export {cfg['export']} exists and is not a directory")
+
+
+def parse_tree(text: str) -> dict:
+    parts = str(text).split(",")
+    try:
+        d, k, n = (int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected depth,top_k,total_tokens (e.g. 3,4,16), got {text!r}") from None
+    return dict(depth=d, top_k=k, total_tokens=n)
+
+
 def aux_layers_of(cfg: dict, target_config) -> tuple | None:
     """cfg["aux_layers"] ("2,15,29" or a list) as a checked tuple; None where not set."""
     raw = cfg["aux_layers"]
@@ -84,17 +175,18 @@ def aux_layers_of(cfg: dict, target_config) -> tuple | None:
 
 
 def load_config(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m train.draft", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="YAML file with the keys below")
+    from infer.cli import Parser
+    ap = Parser(prog="python -m train.draft", description=__doc__)
+    ap.add_argument("--config", help="YAML file with the keys below (flags override it)")
     for k, v in DEFAULTS.items():
         if k == "tree":
-            ap.add_argument("--tree", help="depth,top_k,total_tokens for evaluation (e.g. 5,10,60)")
+            shown = ",".join(str(v[x]) for x in ("depth", "top_k", "total_tokens"))
+            ap.add_argument("--tree", type=parse_tree, help=f"{HELP[k]} (default {shown})")
             continue
         typ = type(v) if v is not None and not isinstance(v, bool) else str
         if isinstance(v, bool):
             typ = _bool
-        ap.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None, help=f"(default {v})")
+        ap.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None, help=f"{HELP[k]} (default {v})")
     args = ap.parse_args(argv)
     cfg = dict(DEFAULTS)
     if args.config:
@@ -109,13 +201,11 @@ def load_config(argv=None) -> dict:
     for k in DEFAULTS:
         v = getattr(args, k, None)
         if v is not None:
-            if k == "tree":
-                d, kk, n = (int(x) for x in v.split(","))
-                v = dict(depth=d, top_k=kk, total_tokens=n)
             cfg[k] = v
     for req in ("data", "out"):
         if not cfg[req]:
             sys.exit(f"error: --{req} is required (or set it in --config)")
+    check_config(cfg)
     if cfg["vocab_mask"] and not cfg["draft_vocab"] and not cfg["init_from"]:  # (an EAGLE-3 head brings its own)
         sys.exit("error: --vocab-mask needs a draft vocabulary (--draft-vocab)")
     held = _export_arch(cfg["export"])
@@ -361,10 +451,13 @@ def main(argv=None):
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
-    from eagle2_jax import init_draft, load_target, parse_mesh, save_draft
+    from eagle2_jax import CheckpointError, init_draft, load_target, parse_mesh, save_draft
     from train.data import read_shards
 
-    mesh = parse_mesh(cfg["mesh"])
+    try:
+        mesh = parse_mesh(cfg["mesh"])
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     dirs = cfg["data"] if isinstance(cfg["data"], list) else str(cfg["data"]).split(",")
     try:
         sets = [read_shards(d) for d in dirs]
@@ -375,17 +468,19 @@ def main(argv=None):
     heldout = sets[0][-cfg["heldout_examples"]:]  # held out from the first (self-distilled) set
     train = sets[0][:-cfg["heldout_examples"]] + [e for s in sets[1:] for e in s]
     print(f"{len(train)} training examples from {', '.join(dirs)}; {len(heldout)} held out")
-    if cfg["arch"] not in ("eagle2", "eagle3"):
-        sys.exit(f"error: arch must be eagle2 or eagle3, got {cfg['arch']!r}")
-    if cfg["eagle3_head_init"] not in ("target", "random"):
-        sys.exit(f"error: eagle3_head_init must be target or random, got {cfg['eagle3_head_init']!r}")
-    target = load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)
+    try:
+        target = load_target(cfg["target"], dtype=cfg["dtype"], mesh=mesh)
+    except (CheckpointError, ValueError) as e:
+        sys.exit(f"error: {e}")
     aux = aux_layers_of(cfg, target.config)
     os.makedirs(cfg["out"], exist_ok=True)
     init = None
     if cfg["init_from"]:
         from eagle2_jax import load_draft
-        init = load_draft(cfg["init_from"], target, draft_vocab=False)  # (an EAGLE-2 head's subset: draft_vocab)
+        try:
+            init = load_draft(cfg["init_from"], target, draft_vocab=False)  # (an EAGLE-2 head's subset: draft_vocab)
+        except (CheckpointError, ValueError) as e:
+            sys.exit(f"error: --init-from {cfg['init_from']}: {e}")
         if init.arch != cfg["arch"]:
             sys.exit(f"error: --init-from {cfg['init_from']} is an {init.arch} head, not {cfg['arch']}")
         if aux is not None and tuple(init.aux_layers) != aux:
@@ -512,7 +607,9 @@ def main(argv=None):
         if step > start:
             save(step)
         bar.close()
-    if step >= cfg["steps"] or stop["timed_out"]:
+    if cfg["steps"] == 0:
+        print("--steps 0: the --init-from head was evaluated; nothing trained, nothing exported")
+    elif step >= cfg["steps"] or stop["timed_out"]:
         save_draft(whole(), os.path.join(cfg["out"], "final_orbax"), format="orbax")
         if cfg["export"]:
             save_draft(whole(), cfg["export"], format="eagle3" if draft.arch == "eagle3" else "eagle", dtype="bfloat16")

@@ -1,0 +1,132 @@
+"""What the command-line tools share: a parser whose errors are one line, value types that reject
+bad input while the arguments are parsed (before a model loads), and output paths checked before
+any work. Used by infer.* and train.* entry points."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors ("error: argument --batch: ...") and exit status 2."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*a, **kw)
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def fail(message: str):
+    """Exit with one line on stderr (status 1)."""
+    sys.exit(f"error: {message}")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    v = _int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def nonneg_int(text: str) -> int:
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
+    return v
+
+
+def nonneg_float(text: str) -> float:
+    v = _float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v:g}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    v = _float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {v:g}")
+    return v
+
+
+def probability(text: str) -> float:
+    """A mass in (0, 1] (top-p)."""
+    v = _float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v:g}")
+    return v
+
+
+def tokens_per_round(text: str) -> float:
+    """tau: at least 1 (every round adds the bonus token)."""
+    v = _float(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"tokens per round are at least 1 (the bonus token), got {v:g}")
+    return v
+
+
+def positive_ints(text: str) -> list:
+    """A comma list of positive integers ("1,4,16")."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    out = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+        out.append(v)
+    return out
+
+
+def tree_size(text: str):
+    """--total-tokens: a positive integer or 'auto'."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
+def writable_dir(path: str) -> str:
+    """An output directory: it may exist (as a directory) or not yet; a file there is refused."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} exists and is not a directory")
+    return path
+
+
+def writable_file(path: str) -> str:
+    """An output file: not a directory; its folder is made when it is written (see `ensure_parent`)."""
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {path!r}: {parent!r} is not a directory")
+    return path
+
+
+def ensure_parent(path: str) -> str:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    return path
