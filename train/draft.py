@@ -186,7 +186,7 @@ def load_config(argv=None) -> dict:
         typ = type(v) if v is not None and not isinstance(v, bool) else str
         if isinstance(v, bool):
             typ = _bool
-        ap.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None, help=f"{HELP[k]} (default {v})")
+        ap.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None, help=HELP[k] + ("" if v is None else f" (default {v})"))
     args = ap.parse_args(argv)
     cfg = dict(DEFAULTS)
     if args.config:
