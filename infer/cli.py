@@ -104,13 +104,22 @@ def positive_ints(text: str) -> list:
 
 def tree_size(text: str):
     """--total-tokens: a positive integer or 'auto'."""
-    return "auto" if text == "auto" else positive_int(text)
+    if text == "auto":
+        return "auto"
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return v
 
 
 def writable_dir(path: str) -> str:
     """An output directory: it may exist (as a directory) or not yet; a file there is refused."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path!r} exists and is not a directory")
+    _check_parents(path)
     return path
 
 
@@ -118,12 +127,17 @@ def writable_file(path: str) -> str:
     """An output file: not a directory; its folder is made when it is written (see `ensure_parent`)."""
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path!r} is a directory")
+    _check_parents(path)
+    return path
+
+
+def _check_parents(path: str):
+    """The nearest existing folder above `path` must be a directory (so it can be made below it)."""
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"cannot write {path!r}: {parent!r} is not a directory")
-    return path
 
 
 def ensure_parent(path: str) -> str:

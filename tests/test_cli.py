@@ -10,6 +10,20 @@ from train import data as train_data
 from train import draft as train_draft
 
 
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Bad input must stop the tools before a model loads or a program compiles: here either fails
+    the test at once (without the checks they would go on to load SmolLM2 and run)."""
+    import eagle2_jax
+    from eagle2_jax import checkpoints
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the bad input was rejected")
+    monkeypatch.setattr(eagle2_jax, "load_target", refuse)
+    monkeypatch.setattr(checkpoints, "load_target", refuse)
+    monkeypatch.setattr(compile_report, "report", refuse)
+
+
 def one_line_error(capsys, fn, argv, code=None):
     with pytest.raises(SystemExit) as e:
         fn(argv)
@@ -37,7 +51,7 @@ def test_generate_rejects_bad_values_while_parsing(capsys, argv, what):
     assert what in msg
 
 
-def test_bench_rejects_bad_input_before_loading(tmp_path, capsys):
+def test_bench_rejects_bad_input_before_loading(tmp_path, capsys, no_model_load):
     out = tmp_path / "out"
     for argv in (["--limit", "0"], ["--turns", "0"], ["--batch", "-1"], ["--total-tokens", "x"]):
         one_line_error(capsys, bench.main, argv + ["--out", str(out)], code=2)
@@ -49,12 +63,16 @@ def test_bench_rejects_bad_input_before_loading(tmp_path, capsys):
     assert "line 2" in one_line_error(capsys, bench.main, ["--questions", str(bad), "--out", str(out)])
     bad.write_text('{"question": "no turns"}\n')
     assert '"turns"' in one_line_error(capsys, bench.main, ["--questions", str(bad), "--out", str(out)])
+    assert not out.exists()
+
+
+def test_bench_names_a_missing_model_in_one_line(tmp_path, capsys):
     good = tmp_path / "good.jsonl"
     good.write_text('{"turns": ["a question"]}\n')
     msg = one_line_error(capsys, bench.main, ["--questions", str(good), "--model", str(tmp_path / "nope"),
-                                              "--out", str(out)])
+                                              "--out", str(tmp_path / "out")])
     assert "nope" in msg
-    assert not out.exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_bench_resume_names_an_unreadable_results_file(tmp_path):
@@ -63,7 +81,7 @@ def test_bench_resume_names_an_unreadable_results_file(tmp_path):
         bench.resumed(str(tmp_path), {}, [])
 
 
-def test_roundcost_and_compile_report_reject_bad_input(tmp_path, capsys):
+def test_roundcost_and_compile_report_reject_bad_input(tmp_path, capsys, no_model_load):
     for argv in (["--batch", "0"], ["--batch", "1,x"], ["--repeats", "0"], ["--total-tokens", ""],
                  ["--analytic", "--tau", "0.5"], ["--analytic", "--depth", "2", "--top-k", "2", "--total-tokens", "99"],
                  ["--json", str(tmp_path)]):
@@ -74,7 +92,7 @@ def test_roundcost_and_compile_report_reject_bad_input(tmp_path, capsys):
     assert not (tmp_path / "rc").exists() and not (tmp_path / "c.json").exists()
 
 
-def test_train_data_rejects_bad_input_before_loading(tmp_path, capsys):
+def test_train_data_rejects_bad_input_before_loading(tmp_path, capsys, no_model_load):
     out = tmp_path / "data"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["hello"]}\n')
@@ -95,7 +113,32 @@ def test_train_data_rejects_bad_input_before_loading(tmp_path, capsys):
     assert sorted(os.listdir(out)) == ["meta.json", "shard_00000.npz"]
 
 
-def test_train_draft_rejects_bad_config_before_loading(tmp_path, capsys):
+def test_train_data_resume_rules(tmp_path):
+    """check_resume: the same settings resume; others, fewer prompts, growth past a partial last
+    shard, or a shard size that does not match an older run's counts are refused."""
+    out = tmp_path / "run"
+    out.mkdir()
+    train_data.write_shard(str(out / "shard_00000.npz"), [(np.arange(4, dtype=np.int32), np.ones(4, np.uint8))])
+    common = {"target": "t", "skip": 0, "max_new_tokens": 256, "temperature": 0.0, "files": ["a.json"]}
+
+    def check(old, new):
+        (out / "meta.json").write_text(json.dumps(old))
+        train_data.check_resume(str(out), new)
+
+    new = dict(common, shard_size=64, max_prompt_tokens=384)
+    check(dict(common, prompts=1200, shards=19), dict(new, prompts=1200, shards=19))  # an older run, same settings
+    check(dict(common, prompts=1280, shards=20), dict(new, prompts=1500, shards=24))  # grows from a full last shard
+    check(dict(common, prompts=1200, shards=19), dict(new))  # (before the prompts are counted)
+    for old, changed, what in ((dict(common, prompts=1200, shards=19), dict(new, prompts=1500), "partial"),
+                               (dict(common, prompts=1280, shards=20), dict(new, prompts=640), "1280 prompts"),
+                               (dict(common, prompts=1200, shards=19), dict(new, shard_size=100), "shard_size"),
+                               (dict(new, prompts=64), dict(new, shard_size=32), "shard_size"),
+                               (dict(common, prompts=64), dict(new, temperature=1.0), "temperature")):
+        with pytest.raises(SystemExit, match=what):
+            check(old, changed)
+
+
+def test_train_draft_rejects_bad_config_before_loading(tmp_path, capsys, no_model_load):
     base = ["--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")]
     for argv, what in ((["--steps", "0"], "init-from"), (["--heldout-examples", "0"], "heldout_examples"),
                        (["--log-every", "0"], "log_every"), (["--batch-size", "0"], "batch_size"),
@@ -109,3 +152,6 @@ def test_train_draft_rejects_bad_config_before_loading(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     # --steps 0 with --init-from is the evaluation-only run and passes the checks
     assert train_draft.load_config(["--steps", "0", "--init-from", "some/head"] + base)["steps"] == 0
+    (tmp_path / "o" / "checkpoints" / "40").mkdir(parents=True)  # ... but not over a run's checkpoints
+    assert "checkpoints" in one_line_error(capsys, train_draft.load_config,
+                                           ["--steps", "0", "--init-from", "some/head"] + base)

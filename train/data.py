@@ -193,8 +193,9 @@ def main(argv=None):
         fail(f"prompt file not found: {missing[0]}")
     meta = {"target": args.target, "skip": args.skip, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "files": [os.path.relpath(x, args.shared_data) for x in files],
-            "dtype": args.dtype, "seed": args.seed, "shard_size": args.shard_size,
-            "max_prompt_tokens": args.max_prompt_tokens}
+            "dtype": args.dtype, "shard_size": args.shard_size, "max_prompt_tokens": args.max_prompt_tokens}
+    if args.temperature > 0:  # (what sampled responses also depend on: batches draw from seed, shard, batch)
+        meta.update(seed=args.seed, batch_size=args.batch_size)
     if args.responses == "target":
         check_resume(args.out, meta)
     try:
@@ -260,11 +261,18 @@ def check_resume(out: str, meta: dict):
     except (OSError, json.JSONDecodeError) as e:
         fail(f"{path} is unreadable ({e}): use another --out")
     diff = sorted(k for k in old if k in meta and k not in ("prompts", "shards") and old[k] != meta[k])
+    if "shard_size" not in old and "prompts" in old and "shards" in old:  # (older runs: implied by the counts)
+        if -(-old["prompts"] // meta["shard_size"]) != old["shards"]:
+            diff.append("shard_size")
     if diff:
         fail(f"{out} holds shards written with other settings ({', '.join(diff)}): use another --out, or the "
              f"same settings to resume")
-    size = old.get("shard_size", meta["shard_size"])
-    if "prompts" in meta and old.get("prompts") not in (None, meta["prompts"]) and old["prompts"] % size:
+    if "prompts" not in meta or old.get("prompts") in (None, meta["prompts"]):
+        return
+    if meta["prompts"] < old["prompts"]:
+        fail(f"{out} holds {old['prompts']} prompts: resume with --max-prompts {old['prompts']} (or more), or use "
+             "another --out")
+    if old["prompts"] % meta["shard_size"]:
         fail(f"{out} holds {old['prompts']} prompts, its last shard partial: resume with --max-prompts "
              f"{old['prompts']}, or use another --out")
 

@@ -69,7 +69,7 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="float32", data=None, out=
 
 HELP = dict(
     target="target model: a named model, a Hugging Face directory or a .gguf file",
-    dtype="the target's dtype, float32 or bfloat16",
+    dtype="the target's dtype: float32, bfloat16 or auto (float32 on CPU, bfloat16 on GPU/TPU)",
     data="shard directories written by python -m train.data, comma-separated; held-out examples come from the first",
     out="run directory: Orbax checkpoints, log.jsonl, config.json, the feature cache, final_orbax",
     export="directory for the trained head in the EAGLE layout (bf16 safetensors); unset: not exported",
@@ -116,7 +116,7 @@ RANGES = dict(steps=(int, 0, True), batch_size=(int, 1, True), seq_len=(int, 1, 
               weight_decay=(float, 0, True), clip_norm=(float, 0, False), noise=(float, 0, True),
               v_weight=(float, 0, True), p_weight=(float, 0, True), rollout_decay=(float, 0, False),
               time_limit=(float, 0, True))
-CHOICES = dict(arch=("eagle2", "eagle3"), eagle3_head_init=("target", "random"), dtype=("float32", "bfloat16"))
+CHOICES = dict(arch=("eagle2", "eagle3"), eagle3_head_init=("target", "random"), dtype=("auto", "float32", "bfloat16"))
 
 
 def check_config(cfg: dict):
@@ -143,6 +143,10 @@ def check_config(cfg: dict):
         sys.exit(f"error: tree {cfg['tree']!r}: {e}")
     if cfg["steps"] == 0 and not cfg["init_from"]:
         sys.exit("error: --steps 0 only evaluates an --init-from head: give one, or steps to train")
+    ckpts = os.path.join(cfg["out"], "checkpoints")
+    if cfg["steps"] == 0 and os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)):
+        sys.exit(f"error: --steps 0 evaluates the --init-from head, but {cfg['out']} holds a run's checkpoints, "
+                 "which would be restored instead: use another --out")
     if os.path.exists(cfg["out"]) and not os.path.isdir(cfg["out"]):
         sys.exit(f"error: --out {cfg['out']} exists and is not a directory")
     if cfg["export"] and os.path.exists(cfg["export"]) and not os.path.isdir(cfg["export"]):
