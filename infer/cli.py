@@ -41,48 +41,26 @@ def _float(text: str) -> float:
     return v
 
 
-def positive_int(text: str) -> int:
-    v = _int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+def _checked(name: str, convert, ok, wants: str, doc: str):
+    """A value type: `convert` the text, then refuse what `ok` rejects with "<wants>, got <value>"."""
+    def check(text: str):
+        v = convert(text)
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{wants}, got {v:g}" if isinstance(v, float) else f"{wants}, got {v}")
+        return v
+    check.__name__ = check.__qualname__ = name
+    check.__doc__ = doc
+    return check
 
 
-def nonneg_int(text: str) -> int:
-    v = _int(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v}")
-    return v
-
-
-def nonneg_float(text: str) -> float:
-    v = _float(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {v:g}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    v = _float(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {v:g}")
-    return v
-
-
-def probability(text: str) -> float:
-    """A mass in (0, 1] (top-p)."""
-    v = _float(text)
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v:g}")
-    return v
-
-
-def tokens_per_round(text: str) -> float:
-    """tau: at least 1 (every round adds the bonus token)."""
-    v = _float(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"tokens per round are at least 1 (the bonus token), got {v:g}")
-    return v
+positive_int = _checked("positive_int", _int, lambda v: v >= 1, "must be at least 1", "An integer >= 1.")
+nonneg_int = _checked("nonneg_int", _int, lambda v: v >= 0, "must be 0 or more", "An integer >= 0.")
+nonneg_float = _checked("nonneg_float", _float, lambda v: v >= 0, "must be 0 or more", "A finite number >= 0.")
+positive_float = _checked("positive_float", _float, lambda v: v > 0, "must be above 0", "A finite number > 0.")
+probability = _checked("probability", _float, lambda v: 0 < v <= 1, "must be in (0, 1]", "A mass in (0, 1] (top-p).")
+tokens_per_round = _checked("tokens_per_round", _float, lambda v: v >= 1,
+                            "tokens per round are at least 1 (the bonus token)",
+                            "tau: at least 1 (every round adds the bonus token).")
 
 
 def positive_ints(text: str) -> list:
@@ -90,15 +68,9 @@ def positive_ints(text: str) -> list:
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     if not parts:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    out = []
-    for p in parts:
-        try:
-            v = int(p)
-        except ValueError:
-            v = 0
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-        out.append(v)
+    out = [_int_or_zero(p) for p in parts]
+    if min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return out
 
 
@@ -106,13 +78,17 @@ def tree_size(text: str):
     """--total-tokens: a positive integer or 'auto'."""
     if text == "auto":
         return "auto"
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
+    v = _int_or_zero(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
     return v
+
+
+def _int_or_zero(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return 0
 
 
 def writable_dir(path: str) -> str:
