@@ -1,4 +1,6 @@
 """--total-tokens auto: expected tau grows with the tree, the choice is one of the candidates."""
+import pytest
+
 from eagle2_jax import TreeConfig, generate, generate_vanilla
 from eagle2_jax.autotune import choose_tree
 from helpers import permutation_oracle
@@ -19,6 +21,7 @@ def test_choose_tree_oracle():
     assert generate(t, d, prompts, max_new_tokens=12, tree=choice.tree).tokens == ref
 
 
+@pytest.mark.slow  # default suite time (see README, Tests)
 def test_calibration_reads_off_what_every_smaller_tree_accepts():
     """autotune's measured acceptance: a round of the big tree, read for size n, must equal a real
     round of the n-node tree from the same state (row by row, over several states of a walk)."""

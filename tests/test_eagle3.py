@@ -177,8 +177,10 @@ def test_drafted_tree_matches_numpy_reference(tmp_path, accel):
                                    rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("accel", [False, True], ids=["cpu_ops", "xla_ops"])
-@pytest.mark.parametrize("tree", [e2.TreeConfig(1, 1, 2), e2.TreeConfig(3, 3, 8), e2.TreeConfig(4, 4, 20)])
+@pytest.mark.parametrize("tree,accel", [
+    pytest.param(e2.TreeConfig(*c), accel, marks=pytest.mark.slow if (c, accel) == ((1, 1, 2), False) else (),
+                 id="d%d_k%d_n%d-%s" % (*c, "xla_ops" if accel else "cpu_ops"))
+    for c in ((1, 1, 2), (3, 3, 8), (4, 4, 20)) for accel in (False, True)])
 def test_eagle3_head_is_lossless_greedy(tree, accel):
     target = _target(seed=2)
     draft = e2.init_draft(target, 3, arch="eagle3", draft_vocab_size=VD)

@@ -53,8 +53,16 @@ def _check(models, reference, kind, cfg, max_new=23, prompts=PROMPTS):
     return out
 
 
-@pytest.mark.parametrize("cfg", GRID, ids=lambda c: "d%d_k%d_n%d" % c)
-@pytest.mark.parametrize("kind", ["random", "noisy_oracle", "noisy_oracle_xla", "noisy_oracle_tpu"])
+# The CPU's ops run the whole grid by default; the GPU and TPU paths (same algorithm, other layouts)
+# run a spread of it (a chain, one-token and full-pool trees, the reference tree, the widest) and the
+# rest with -m slow.
+ACCEL_DEFAULT = {(1, 1, 1), (1, 1, 2), (2, 3, 8), (5, 10, 60), (2, 8, 137), (6, 3, 30)}
+GRID_CASES = [pytest.param(kind, cfg, marks=() if kind in ("random", "noisy_oracle") or cfg in ACCEL_DEFAULT
+                           else pytest.mark.slow, id="%s-d%d_k%d_n%d" % (kind, *cfg))
+              for kind in ("random", "noisy_oracle", "noisy_oracle_xla", "noisy_oracle_tpu") for cfg in GRID]
+
+
+@pytest.mark.parametrize("kind,cfg", GRID_CASES)
 def test_greedy_identity_grid(models, reference, kind, cfg):
     _check(models, reference, kind, cfg)
 

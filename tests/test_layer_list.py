@@ -18,7 +18,7 @@ def _xla(m, ops):
     return dataclasses.replace(m, ops=ops)
 
 
-@pytest.mark.parametrize("ops", [XLA_CPU, XLA], ids=["xla-cpu", "xla"])
+@pytest.mark.parametrize("ops", [pytest.param(XLA_CPU, marks=pytest.mark.slow), XLA], ids=["xla-cpu", "xla"])
 def test_per_layer_buffers_give_the_same_tokens(ops):
     t = _xla(e2.init_target(tiny_config(num_hidden_layers=3), 0), ops)
     d = _xla(e2.init_draft(t, 1), ops)

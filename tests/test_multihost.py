@@ -20,7 +20,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("data,model", [(2, 4), pytest.param(8, 1, marks=pytest.mark.slow)])
+@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.parametrize("data,model", [(2, 4), (8, 1)])
 def test_two_processes_one_mesh_same_tokens(tmp_path, data, model):
     cfg = tiny_config(vocab_size=64, num_key_value_heads=4)
     prompts = [[1, 2, 3, 4], [5, 6, 7], [9, 8], [10, 11, 12, 13, 14], [3], [7, 7, 7], [20, 21], [30, 31, 32]]

@@ -67,7 +67,7 @@ def test_split_count():
     assert split_count(1, 8, 48, "tpu") == 1
 
 
-@pytest.mark.parametrize("arch", ["eagle", "eagle3"])
+@pytest.mark.parametrize("arch", ["eagle", pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_generation_with_the_kernel_is_lossless(arch):
     t = e2.init_target(tiny_config(num_hidden_layers=3), 0)
     d = e2.init_draft(t, 1, arch=arch) if arch == "eagle3" else e2.init_draft(t, 1)

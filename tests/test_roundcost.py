@@ -1,10 +1,13 @@
 """infer.roundcost: the round-cost table on a tiny random pair (no timing asserts)."""
 import json
 
+import pytest
+
 from helpers import tiny_pair
 from infer import roundcost
 
 
+@pytest.mark.slow  # default suite time (see README, Tests)
 def test_roundcost_rows_and_outputs(tmp_path):
     t, d = tiny_pair(0)
     prompts = roundcost.load_prompts(t, None, 2)  # random tokens: the tiny target has no tokenizer

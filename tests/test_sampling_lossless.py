@@ -88,7 +88,7 @@ def test_sampling_matches_target_distribution(pair, tree, temperature, top_p):
     assert p > P_THRESHOLD, f"chi2={stat:.1f} on {k} dof, p={p:.2e}"
 
 
-@pytest.mark.parametrize("path", ["gpu", "tpu"])
+@pytest.mark.parametrize("path", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
 def test_sampling_on_the_accelerator_paths_matches_target_distribution(pair, path):
     """The same check on the GPU path (`ops.XLA`, per-layer weight buffers: tree verification
     and draft passes write their keys/values into the cache first and attend over it alone) and
@@ -121,7 +121,8 @@ def _no_residual(logits_V, tokens_N, parents_N, cur, key):
     return jax.random.categorical(key, logits_V).astype(jnp.int32)
 
 
-@pytest.mark.parametrize("name,broken", [("_walk_row", _always_accept), ("_bonus_row", _no_residual)],
+@pytest.mark.parametrize("name,broken", [("_walk_row", _always_accept),
+                                         pytest.param("_bonus_row", _no_residual, marks=pytest.mark.slow)],
                          ids=["always_accept", "no_residual"])
 def test_wrong_acceptance_rule_is_caught(pair, monkeypatch, name, broken):
     t, d = pair

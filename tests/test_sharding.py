@@ -7,9 +7,9 @@ from eagle2_jax.sharding import param_shardings
 from helpers import tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-# (2, 4) shards data and model at once, (1, 8) splits 4 KV heads over 8 devices, (4, 2) the batch 4 ways;
-# the two-device layouts add little beyond them and run with -m slow.
-LAYOUTS = [(2, 4), (1, 8), (4, 2)] + [pytest.param(*dm, marks=pytest.mark.slow) for dm in ((1, 2), (2, 1))]
+# (2, 4) shards data and model at once and runs by default; (1, 8) splits 4 KV heads over 8 devices,
+# (4, 2) the batch 4 ways, and the two-device layouts run with -m slow.
+LAYOUTS = [(2, 4)] + [pytest.param(*dm, marks=pytest.mark.slow) for dm in ((1, 8), (4, 2), (1, 2), (2, 1))]
 CFG = tiny_config(num_attention_heads=8, num_key_value_heads=4, hidden_size=64, intermediate_size=128)
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
@@ -50,7 +50,7 @@ def test_parse_mesh():
         parse_mesh("data=4,model=4")
 
 
-@pytest.mark.parametrize("data,model", [(2, 4), (1, 8)])
+@pytest.mark.parametrize("data,model", [(2, 4), pytest.param(1, 8, marks=pytest.mark.slow)])
 def test_tpu_path_sharded_equals_unsharded(reference, data, model):
     """The TPU path (`ops.XLA_TPU`: scores laid out by query head, [B, K, G, T, slots], from a
     reshape of the head-sharded queries) gives the same tokens sharded as on one device, and as
