@@ -21,7 +21,7 @@ def test_choose_tree_oracle():
     assert generate(t, d, prompts, max_new_tokens=12, tree=choice.tree).tokens == ref
 
 
-@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.slow  # keeps the default suite within its time (README, top)
 def test_calibration_reads_off_what_every_smaller_tree_accepts():
     """autotune's measured acceptance: a round of the big tree, read for size n, must equal a real
     round of the n-node tree from the same state (row by row, over several states of a walk)."""

@@ -20,7 +20,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.slow  # keeps the default suite within its time (README, top)
 @pytest.mark.parametrize("data,model", [(2, 4), (8, 1)])
 def test_two_processes_one_mesh_same_tokens(tmp_path, data, model):
     cfg = tiny_config(vocab_size=64, num_key_value_heads=4)

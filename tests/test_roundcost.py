@@ -7,7 +7,7 @@ from helpers import tiny_pair
 from infer import roundcost
 
 
-@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.slow  # keeps the default suite within its time (README, top)
 def test_roundcost_rows_and_outputs(tmp_path):
     t, d = tiny_pair(0)
     prompts = roundcost.load_prompts(t, None, 2)  # random tokens: the tiny target has no tokenizer

@@ -107,7 +107,7 @@ def test_training_lowers_loss_and_exports(tiny_run):
     assert (start["eval_acc"], start["eval_tau"]) == (end["eval_acc"], end["eval_tau"])
 
 
-@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.slow  # keeps the default suite within its time (README, top)
 def test_resume_continues_same_step_and_batches(tiny_run):
     root, tdir, data = tiny_run
     tdraft.main(_args(root, tdir, data, "full", 6))
@@ -189,7 +189,7 @@ def test_batcher_packs_whole_examples_and_cuts_long_ones_into_pieces_at_their_po
     assert seg.sum(1).tolist() == [min(lengths[i], 8) for i in rows]
 
 
-@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.slow  # keeps the default suite within its time (README, top)
 def test_packed_loss_equals_the_examples_apart():
     """Target features and the draft loss (rollout 2) of a packed sequence of two examples equal
     each example's own, computed alone: no attention across examples, each at its own positions."""
@@ -221,7 +221,7 @@ def test_packed_loss_equals_the_examples_apart():
         np.testing.assert_allclose(float(m[k]), sum(float(p[k]) * w for p, w in zip(parts, n)) / sum(n), rtol=2e-5)
 
 
-@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.slow  # keeps the default suite within its time (README, top)
 def test_draft_loss_and_gradient_agree_across_attention_forms():
     """Training on GPU/TPU runs the draft's rollout through the cache-first attention
     (`Ops.cache_first`), and on TPU with the scores laid out by query head (`ops.XLA_TPU`): their
@@ -354,7 +354,7 @@ def test_rollout_matches_tree_drafting():
                                        err_msg=f"anchor {j}, step {level + 1}")
 
 
-@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.slow  # keeps the default suite within its time (README, top)
 def test_rollout_training_lowers_loss_and_logs_deeper_accuracy(tiny_run):
     root, tdir, data = tiny_run
     tdraft.main(_args(root, tdir, data, "rollout", 30, ["--rollout", "3", "--eval-every", "30"]))
@@ -456,7 +456,7 @@ def test_eagle3_head_starts_from_the_targets_head():
     np.testing.assert_array_equal(np.asarray(got["norm"]["scale"]), np.asarray(t.params["norm"]["scale"]))
 
 
-@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.slow  # keeps the default suite within its time (README, top)
 def test_eagle3_vocab_mask_drops_positions_whose_target_token_is_outside_the_draft_vocabulary():
     """The vocabulary mask (the official EAGLE-3 loss mask, --vocab-mask) equals the plain loss with those positions taken
     out of the assistant mask, at every rollout step; in_vocab reports the share kept."""
@@ -504,7 +504,7 @@ def test_an_export_never_overwrites_a_head_of_the_other_arch(tmp_path, monkeypat
     assert tdraft.load_config(["--data", "d", "--out", "o", "--arch", "eagle3", "--export", str(tmp_path / "new")])
 
 
-@pytest.mark.slow  # default suite time (see README, Tests)
+@pytest.mark.slow  # keeps the default suite within its time (README, top)
 def test_eagle3_aux_layers_are_chosen_and_re_pointed(tiny_run):
     """--aux-layers: a fresh EAGLE-3 head reads the layers asked for; continuing a head with other
     layers keeps its weights and reads the new ones; the export records them; bad specs fail in one line."""
