@@ -6,6 +6,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the command-line tools enable JAX's persistent compilation cache; tests that call them stay hermetic
 os.environ.setdefault("EAGLE2_JAX_COMPILE_CACHE", "0")
 
+import functools  # noqa: E402
+import inspect  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -27,8 +30,46 @@ def _release_compiled_programs():
     gc.collect()
 
 
+# Most tests build small models and compile many distinct programs: their time is XLA:CPU's compiler,
+# mostly LLVM's. They compile with LLVM's optimisations off (xla_backend_optimization_level 0; what the
+# programs compute is unchanged, their machine code runs slower): the default suite took 1,397 s instead
+# of 1,778 s on a 2-core machine with every test compiled this way. Tests whose time is running the
+# programs (the sampling-distribution tests' ~100k samples, the real model) are marked `optimized` and
+# compile as users' programs do. Where this jax has no hook for it, every test compiles as users' do.
+_FULL_OPTIMIZATION = {"on": True}
+
+
+def _compile_without_llvm_optimizations():
+    try:
+        from jax._src import compiler
+        orig = compiler.get_compile_options
+        if "env_options_overrides" not in inspect.signature(orig).parameters:
+            return
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return
+
+    @functools.wraps(orig)
+    def get_compile_options(*args, env_options_overrides=None, **kwargs):
+        if not _FULL_OPTIMIZATION["on"]:
+            env_options_overrides = {"xla_backend_optimization_level": 0, **(env_options_overrides or {})}
+        return orig(*args, env_options_overrides=env_options_overrides, **kwargs)
+
+    compiler.get_compile_options = get_compile_options
+
+
+_compile_without_llvm_optimizations()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Each test's level holds from its setup (the module fixtures it is first to need) to its teardown."""
+    _FULL_OPTIMIZATION["on"] = item.get_closest_marker("optimized") is not None
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: slower tests (real model, big grids); run with -m slow")
+    config.addinivalue_line("markers", "optimized: run-bound tests, compiled at XLA:CPU's full optimisation level "
+                                       "(the others compile without LLVM's optimisations: tests/conftest.py)")
 
 
 def have_torch() -> bool:

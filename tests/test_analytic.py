@@ -385,13 +385,14 @@ ENTRY %main (x: bf16[64,4096], w: bf16[4096,4096], u: bf16[4096,8192]) -> bf16[6
   ROOT %g = bf16[64,4096]{{1,0}} fusion({root_args}), kind=kInput, calls=%sum
 }}
 """
-    x, w, u, h, partial = 64 * 4096 * 2, 4096 * 4096 * 2, 4096 * 8192 * 2, 64 * 8192 * 2, 8 * 64 * 4096 * 4
+    x, w, u, partial = 64 * 4096 * 2, 4096 * 4096 * 2, 4096 * 8192 * 2, 8 * 64 * 4096 * 4
     near, far = module(False), module(True)
     assert hbm_traffic(near)["bytes"] == (x + w + partial) + (partial + x)
     L2 = 50 * 2**20
     assert hbm_traffic(near, l2_bytes=L2)["bytes"] == x + w + x  # the partial sums stay in L2; the output is written
     assert hbm_traffic(near, l2_bytes=2 * partial - 2)["bytes"] == (x + w + partial) + partial + x  # too big for it
-    # 64 MB of weights stream through between the write and the read: the partials went to HBM and back
+    # 64 MB of weights stream through between the write and the read: the partials went to HBM and back;
+    # %h (1 MiB, read right after its write) stays in L2: the 0
     assert hbm_traffic(far, l2_bytes=L2)["bytes"] == (x + w) + (x + u) + (partial + partial + 0 + x)
 
 
