@@ -69,10 +69,12 @@ if [ "$PHASE" = a ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, \
 'optax', optax.__version__, 'transformers', transformers.__version__); print(jax.devices())"
+  # one process on the one GPU (pyproject's addopts start two pytest-xdist workers), whether or not xdist is there
+  PYTEST=(python3 -m pytest -x -q -p no:cacheprovider -p no:xdist -o "addopts=-m 'not slow'")
   RC="python3 -m infer.roundcost --model $RC_MODEL --dtype bfloat16 --depth 5 --top-k 10 --parts round --repeats 10 \
       --calibration-rounds 1 --calibration-prompts 1"
   if budget 60 "lossless tests on the GPU (tiny random float32 models: EAGLE-2 greedy identity grid, batch, EOS)"; then
-    timeout $T python3 -m pytest -x -q -p no:cacheprovider tests/test_eagle_greedy.py \
+    timeout $T "${PYTEST[@]}" tests/test_eagle_greedy.py \
       -k "greedy_identity_grid or batch_equals or eos_mid_round" 2>&1 | tail -4
   fi
   # the round program's first call (compile + one run) is in the JSON as round_compile_s
@@ -90,7 +92,7 @@ if [ "$PHASE" = a ]; then
     tar czf "$OUT/trace_8b.tgz" -C /tmp/res trace 2>/dev/null && ls -la "$OUT/trace_8b.tgz"
   fi
   if budget 60 "the Pallas tree-attention kernel (opt-in): its tests on the GPU (Triton)"; then
-    timeout $T python3 -m pytest -x -q -p no:cacheprovider tests/test_pallas.py -k "equals or bfloat16 or lossless" 2>&1 | tail -3
+    timeout $T "${PYTEST[@]}" tests/test_pallas.py -k "equals or bfloat16 or lossless" 2>&1 | tail -3
   fi
   if budget 90 "the 8B round at N = 60 with the Pallas kernel"; then
     EAGLE2_JAX_ATTENTION=pallas timeout $T $RC --batch 1 --total-tokens 60 --out /tmp/res/rc8b_pallas 2>&1 | grep -v "batch sizes"

@@ -35,7 +35,8 @@ def _release_compiled_programs():
 # programs compute is unchanged, their machine code runs slower): the default suite took 1,397 s instead
 # of 1,778 s on a 2-core machine with every test compiled this way. Tests whose time is running the
 # programs (the sampling-distribution tests' ~100k samples, the real model) are marked `optimized` and
-# compile as users' programs do. Where this jax has no hook for it, every test compiles as users' do.
+# compile as users' programs do. Where this jax has no hook for it, every test compiles as users' do;
+# on a GPU or TPU (scripts/gpu_bench.sh runs tests there) every test does.
 _FULL_OPTIMIZATION = {"on": True}
 
 
@@ -48,11 +49,19 @@ def _compile_without_llvm_optimizations():
     except (ImportError, AttributeError, TypeError, ValueError):
         return
 
+    signature = inspect.signature(orig)
+
     @functools.wraps(orig)
-    def get_compile_options(*args, env_options_overrides=None, **kwargs):
-        if not _FULL_OPTIMIZATION["on"]:
-            env_options_overrides = {"xla_backend_optimization_level": 0, **(env_options_overrides or {})}
-        return orig(*args, env_options_overrides=env_options_overrides, **kwargs)
+    def get_compile_options(*args, **kwargs):
+        if _FULL_OPTIMIZATION["on"]:
+            return orig(*args, **kwargs)
+        call = signature.bind(*args, **kwargs)
+        backend = call.arguments.get("backend")
+        if (backend.platform if backend is not None else jax.default_backend()) != "cpu":
+            return orig(*args, **kwargs)  # tests on a GPU or TPU compile as users' programs do
+        overrides = call.arguments.get("env_options_overrides") or {}
+        call.arguments["env_options_overrides"] = {"xla_backend_optimization_level": 0, **overrides}
+        return orig(*call.args, **call.kwargs)
 
     compiler.get_compile_options = get_compile_options
 
