@@ -69,7 +69,7 @@ if [ "$PHASE" = a ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import jax, flax, optax, transformers; print('jax', jax.__version__, 'flax', flax.__version__, \
 'optax', optax.__version__, 'transformers', transformers.__version__); print(jax.devices())"
-  # one process on the one GPU (pyproject's addopts start two pytest-xdist workers), whether or not xdist is there
+  # in this one process (as `-n auto` does beside a GPU), whether or not pytest-xdist is installed there
   PYTEST=(python3 -m pytest -x -q -p no:cacheprovider -p no:xdist -o "addopts=-m 'not slow'")
   RC="python3 -m infer.roundcost --model $RC_MODEL --dtype bfloat16 --depth 5 --top-k 10 --parts round --repeats 10 \
       --calibration-rounds 1 --calibration-prompts 1"

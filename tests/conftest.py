@@ -7,6 +7,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("EAGLE2_JAX_COMPILE_CACHE", "0")
 
 import functools  # noqa: E402
+import glob  # noqa: E402
 import inspect  # noqa: E402
 
 import jax  # noqa: E402
@@ -73,6 +74,26 @@ _compile_without_llvm_optimizations()
 def pytest_runtest_setup(item):
     """Each test's level holds from its setup (the module fixtures it is first to need) to its teardown."""
     _FULL_OPTIMIZATION["on"] = item.get_closest_marker("optimized") is not None
+
+
+def _accelerator_present() -> bool:
+    """A GPU or TPU here, seen from its device files: asking jax would open the devices in this process
+    (a TPU is then held by it, not by the test workers)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and set(platforms.split(",")) <= {"cpu"}:
+        return False
+    return any(glob.glob(p) for p in ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/kfd"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): two worker processes on a CPU-only machine (one process keeps
+    ~1.4 of 2 cores busy, mostly compiling); none where a GPU or TPU is present, so its tests run in
+    this one process and no two processes claim the device. PYTEST_XDIST_AUTO_NUM_WORKERS or `-n N`
+    choose otherwise."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    return 0 if _accelerator_present() else 2
 
 
 def pytest_configure(config):
