@@ -88,9 +88,8 @@ def _accelerator_present() -> bool:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): two worker processes on a CPU-only machine (one process keeps
-    ~1.4 of 2 cores busy, mostly compiling); none where a GPU or TPU is present, so its tests run in
-    this one process and no two processes claim the device. PYTEST_XDIST_AUTO_NUM_WORKERS or `-n N`
-    choose otherwise."""
+    ~1.4 of 2 cores busy); none where a GPU or TPU is present, so its tests run in this one process
+    and no two processes claim the device. PYTEST_XDIST_AUTO_NUM_WORKERS or `-n N` choose otherwise."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     return 0 if _accelerator_present() else 2
