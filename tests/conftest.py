@@ -45,12 +45,11 @@ def _compile_without_llvm_optimizations():
     try:
         from jax._src import compiler
         orig = compiler.get_compile_options
-        if "env_options_overrides" not in inspect.signature(orig).parameters:
+        signature = inspect.signature(orig)
+        if "env_options_overrides" not in signature.parameters:
             return
     except (ImportError, AttributeError, TypeError, ValueError):
         return
-
-    signature = inspect.signature(orig)
 
     @functools.wraps(orig)
     def get_compile_options(*args, **kwargs):
