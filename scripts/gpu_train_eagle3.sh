@@ -61,12 +61,13 @@ ls /tmp/e3/t1/shard_*.npz >/dev/null 2>&1 && DATA=$DATA,/tmp/e3/t1
 ls /tmp/e3/greedy/shard_*.npz | wc -l; ls /tmp/e3/t1/shard_*.npz 2>/dev/null | wc -l
 cp /tmp/e3/greedy/meta.json "$OUT/data_meta.json" 2>/dev/null
 
-# training: the target's features computed in each step (no disk cache), until the time limit, then export
+# training: the target's features computed in each step (no disk cache), as many steps as fit in the time
+# limit (--steps auto: the cosine decay ends with the time), then export
 TRAIN_MIN=${TRAIN_MIN:-$(python3 -c "print(max(0.5, ($(left) - 90) / 60))")}
 stamp "train the EAGLE-3 head for $TRAIN_MIN min from the shipped one ($DATA)"
 timeout $(( $(left) - 5 )) python3 -m train.draft --config configs/smollm2-135m-instruct.yaml --target "$GGUF" \
   --arch eagle3 --rollout 5 --init-from eagle2_jax/heads/smollm2-135m-instruct-eagle3 --data "$DATA" \
-  --feature-cache false --batch-size ${TRAIN_BATCH:-32} --lr 5e-4 --warmup-steps 10 --steps 1000000 \
+  --feature-cache false --batch-size ${TRAIN_BATCH:-32} --lr 5e-4 --warmup-steps 10 --steps auto \
   --time-limit "$TRAIN_MIN" --heldout-examples ${HELDOUT:-32} --log-every 20 --ckpt-every 1000000 --eval-every 1000000 --eval-tau-prompts 0 \
   --out /tmp/e3/run --export "$OUT/head"
 cp /tmp/e3/run/log.jsonl "$OUT/train_log.jsonl" 2>/dev/null

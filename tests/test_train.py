@@ -121,6 +121,49 @@ def test_resume_continues_same_step_and_batches(tiny_run):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
 
 
+def test_learning_rate_is_optax_warmup_cosine_and_the_scaled_update_is_adamw_at_it():
+    import optax
+    cfg = dict(tdraft.DEFAULTS, lr=2e-3, warmup_steps=4, min_lr_ratio=0.1, steps=20, weight_decay=0.01)
+    sched = optax.warmup_cosine_decay_schedule(0.0, 2e-3, 4, 20, end_value=2e-4)
+    got = [tdraft.learning_rate(cfg, s, 20) for s in range(26)]
+    np.testing.assert_allclose(got, [float(sched(s)) for s in range(26)], rtol=1e-6, atol=1e-12)
+    assert tdraft.learning_rate(cfg, 2, None) == 1e-3 and tdraft.learning_rate(cfg, 9, None) == 2e-3
+    # clip + AdamW at learning rate 1, scaled by the step's rate, moves params as AdamW on the schedule
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}
+    ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.01))
+    ours = tdraft.make_optimizer(dict(cfg, clip_norm=0.5))
+    a, b, sa, sb = params, params, ref.init(params), ours.init(params)
+    for s in range(8):
+        g = {"w": jnp.sin(a["w"] * (s + 1))}
+        ua, sa = ref.update(g, sa, a)
+        ub, sb = ours.update({"w": jnp.sin(b["w"] * (s + 1))}, sb, b)
+        lr = np.float32(tdraft.learning_rate(cfg, s, 20))
+        a = optax.apply_updates(a, ua)
+        b = optax.apply_updates(b, jax.tree_util.tree_map(lambda u: (lr * u).astype(u.dtype), ub))
+    np.testing.assert_allclose(np.asarray(b["w"]), np.asarray(a["w"]), rtol=1e-6, atol=1e-7)
+
+
+def test_steps_auto_fits_the_cosine_decay_to_the_time_limit(tiny_run):
+    root, tdir, data = tiny_run
+    with pytest.raises(SystemExit, match="time-limit"):
+        tdraft.load_config(_args(root, tdir, data, "auto0", "auto"))
+    args = _args(root, tdir, data, "auto", "auto", ["--time-limit", "0.08", "--export", str(root / "auto_export")])
+    tdraft.main(args)
+    fixed = json.load(open(root / "auto" / "steps.json"))
+    first = [r for r in _log(root, "auto") if "loss" in r]
+    assert fixed["fixed_at_step"] >= 6 and fixed["steps"] > fixed["fixed_at_step"]
+    assert first[-1]["lr"] < 3e-3 and os.path.exists(root / "auto_export" / "config.json")
+    # a rerun keeps the count (it resumes the same schedule): it trains what the time limit may have
+    # left of it, and at the count the learning rate is the cosine's floor
+    tdraft.main(args)
+    assert json.load(open(root / "auto" / "steps.json")) == fixed
+    log = [r for r in _log(root, "auto") if "loss" in r]
+    assert log[-1]["step"] <= fixed["steps"]
+    if log[-1]["step"] == fixed["steps"]:
+        np.testing.assert_allclose(log[-1]["lr"], 3e-3 * 0.05, rtol=0.05)
+    assert [r["step"] for r in log] == list(range(1, log[-1]["step"] + 1))
+
+
 def test_export_eagle_format_reproduces_draft_logits(tmp_path):
     from eagle2_jax import init_draft
     from eagle2_jax.cache import init_cache

@@ -42,6 +42,10 @@ layer, before the final norm, which the EAGLE-2 head reads normed); from a head 
 layers, its weights start the run and fc's three input blocks read the new layers (the feature cache
 is per set of layers). `time_limit` (minutes, 0: none) ends training after that much wall time (the feature cache not
 counted) and exports the head as it is then, as if `steps` had been reached; a rerun resumes.
+`steps: auto` (with a time limit) trains as many steps as fit in it: the step rate is measured over
+the run's first steps (at least 5 after the first, which compiles, and 5% of the limit), the count
+fixed then and kept in <out>/steps.json (a rerun resumes the same schedule), so the cosine decay
+reaches its floor as the time runs out instead of stopping at a learning rate near the peak.
 """
 from __future__ import annotations
 
@@ -73,7 +77,9 @@ HELP = dict(
     data="shard directories written by python -m train.data, comma-separated; held-out examples come from the first",
     out="run directory: Orbax checkpoints, log.jsonl, config.json, the feature cache, final_orbax",
     export="directory for the trained head in the EAGLE layout (bf16 safetensors); unset: not exported",
-    steps="optimizer steps in all (a rerun resumes up to it); 0 with --init-from evaluates that head, nothing more",
+    steps="optimizer steps in all (a rerun resumes up to it); auto, with --time-limit: as many as fit in the "
+          "limit at the rate of the first steps, so the cosine decay ends with the time; "
+          "0 with --init-from evaluates that head, nothing more",
     batch_size="packed sequences per step",
     seq_len="tokens per packed sequence",
     lr="peak learning rate (AdamW)",
@@ -121,8 +127,12 @@ CHOICES = dict(arch=("eagle2", "eagle3"), eagle3_head_init=("target", "random"),
 
 def check_config(cfg: dict):
     """One-line errors for values no run can use, before the target loads."""
+    if cfg["steps"] == "auto" and not (isinstance(cfg["time_limit"], (int, float)) and cfg["time_limit"] > 0):
+        sys.exit("error: steps auto fits the steps to --time-limit: give one (minutes), or a number of steps")
     for k, (typ, low, inclusive) in RANGES.items():
         v = cfg[k]
+        if k == "steps" and v == "auto":
+            continue
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (typ is float or isinstance(v, int))
         if not ok:
             sys.exit(f"error: {k} must be {'an integer' if typ is int else 'a number'}, got {v!r}")
@@ -190,6 +200,8 @@ def load_config(argv=None) -> dict:
         typ = type(v) if v is not None and not isinstance(v, bool) else str
         if isinstance(v, bool):
             typ = _bool
+        if k == "steps":
+            typ = _steps
         ap.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None, help=HELP[k] + ("" if v is None else f" (default {v})"))
     args = ap.parse_args(argv)
     cfg = dict(DEFAULTS)
@@ -227,6 +239,15 @@ def _export_arch(directory) -> str | None:
     with open(path) as f:
         raw = json.load(f)
     return "eagle3" if "draft_vocab_size" in raw or raw.get("arch") == "eagle3" else "eagle2"
+
+
+def _steps(s: str):
+    if s == "auto":
+        return s
+    try:
+        return int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or auto, got {s!r}") from None
 
 
 def _bool(s: str) -> bool:
@@ -318,11 +339,27 @@ class Batcher:
 
 
 def make_optimizer(cfg):
+    """Gradient clipping and AdamW at learning rate 1: the train step scales the update by the
+    step's learning rate (`learning_rate`), a traced value, so the schedule can be fixed after the
+    run has started (steps auto) without a recompile."""
     import optax
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg["lr"], cfg["warmup_steps"], max(cfg["steps"], cfg["warmup_steps"] + 1),
-                                               end_value=cfg["lr"] * cfg["min_lr_ratio"])
     return optax.chain(optax.clip_by_global_norm(cfg["clip_norm"]),
-                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg["weight_decay"])), sched
+                       optax.adamw(1.0, b1=0.9, b2=0.95, weight_decay=cfg["weight_decay"]))
+
+
+def learning_rate(cfg, step: int, total) -> float:
+    """The learning rate of optimizer step `step` (0-based) in a run of `total` steps: a linear
+    warm-up from 0 over warmup_steps, then a cosine decay to lr * min_lr_ratio at `total` (optax's
+    warmup_cosine_decay_schedule). total None (steps auto, not yet fixed): the warm-up, then lr."""
+    peak, warm = float(cfg["lr"]), int(cfg["warmup_steps"])
+    if step < warm:
+        return peak * step / warm
+    if total is None:
+        return peak
+    end = peak * float(cfg["min_lr_ratio"])
+    span = max(total, warm + 1) - warm
+    frac = min(step - warm, span) / span
+    return end + (peak - end) * 0.5 * (1 + np.cos(np.pi * frac))
 
 
 def target_lm_head(target):
@@ -358,7 +395,7 @@ def build_step(tmodule, dmodule, opt, cfg, fixed=None):
     fixed = fixed or {}
     loss_fn = lambda dparams, *a: draft_loss({**dparams, **fixed}, *a)  # noqa: E731
 
-    def step(dparams, opt_state, tparams, ids, mask, seg, pos, feats, vocab_ids, key):
+    def step(dparams, opt_state, lr, tparams, ids, mask, seg, pos, feats, vocab_ids, key):
         if feats is None:
             feats = target_features(tmodule, tparams, ids, aux, seg, pos)
         head = None if vocab_ids is None else vocab_head(tmodule, tparams, vocab_ids)
@@ -367,6 +404,7 @@ def build_step(tmodule, dmodule, opt, cfg, fixed=None):
                                       cfg["v_weight"], cfg["p_weight"], head, cfg["rollout"], cfg["rollout_decay"],
                                       vocab_ids if cfg["vocab_mask"] else None, seg, pos)
         updates, opt_state = opt.update(grads, opt_state, dparams)
+        updates = jax.tree_util.tree_map(lambda u: (lr * u).astype(u.dtype), updates)
         return optax.apply_updates(dparams, updates), opt_state, metrics
 
     def evaluate(dparams, tparams, ids, mask, seg, pos, vocab_ids):
@@ -378,6 +416,14 @@ def build_step(tmodule, dmodule, opt, cfg, fixed=None):
         return metrics
 
     return jax.jit(step, donate_argnums=(0, 1)), jax.jit(evaluate)
+
+
+def read_fitted_steps(path):
+    """The step count a steps-auto run fixed (its steps.json), or None before it has."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return int(json.load(f)["steps"])
 
 
 def resolve_vocab(spec, train, out_dir):
@@ -515,7 +561,7 @@ def main(argv=None):
     fixed = {k: v for k, v in draft.params.items() if k == "d2t"}  # not trained: EAGLE-3's vocabulary map
     draft.params = {k: v for k, v in draft.params.items() if k not in fixed}
     whole = lambda: dataclasses.replace(draft, params={**draft.params, **fixed})  # noqa: E731
-    opt, sched = make_optimizer(cfg)
+    opt = make_optimizer(cfg)
     opt_state = opt.init(draft.params)
     step_fn, eval_fn = build_step(target.module, draft.module, opt, cfg, fixed)
     order = cfg["seed"] if init is None else data_order_seed(cfg["seed"], init.params)
@@ -574,35 +620,56 @@ def main(argv=None):
 
     stop = {"flag": False, "timed_out": False}
     signal.signal(signal.SIGTERM, lambda *a: stop.update(flag=True))
-    deadline = time.time() + 60 * float(cfg["time_limit"]) if cfg["time_limit"] else None
+    limit_s = 60 * float(cfg["time_limit"])
+    deadline = time.time() + limit_s if cfg["time_limit"] else None
+    steps_file = os.path.join(cfg["out"], "steps.json")
+    total = cfg["steps"] if cfg["steps"] != "auto" else read_fitted_steps(steps_file)
     step = start
     key = jax.random.PRNGKey(cfg["seed"])
-    bar = tqdm(total=cfg["steps"], initial=start, unit="step", desc="train draft", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=start, unit="step", desc="train draft", dynamic_ncols=True)
     t_last, tok_acc, hist = time.time(), 0.0, []
+    t_first = None  # steps auto: when this invocation's first step (with its compile) had finished
     try:
-        while step < cfg["steps"] and not stop["flag"]:
+        while (total is None or step < total) and not stop["flag"]:
             ids, mask, seg, pos = batcher.batch(step)
             feats = None if fcache is None else batcher.features(step, fcache)
-            draft.params, opt_state, m = step_fn(draft.params, opt_state, target.params, ids, mask, seg, pos, feats,
-                                                 vocab_dev, jax.random.fold_in(key, step))
+            lr = learning_rate(cfg, step, total)
+            draft.params, opt_state, m = step_fn(draft.params, opt_state, np.float32(lr), target.params, ids, mask,
+                                                 seg, pos, feats, vocab_dev, jax.random.fold_in(key, step))
             step += 1
             hist.append(m)
             tok_acc += cfg["batch_size"] * cfg["seq_len"]
             bar.update(1)
-            if step % cfg["log_every"] == 0 or step == cfg["steps"]:
+            if total is None:  # steps auto: time the steps after the first, then fix the count
+                if t_first is None:
+                    jax.block_until_ready(draft.params)
+                    t_first, first_step = time.time(), step
+                elif step - first_step >= 5 and time.time() - t_first >= 0.05 * limit_s:
+                    jax.block_until_ready(draft.params)
+                    now = time.time()
+                    per_step = (now - t_first) / (step - first_step)
+                    total = max(step + 1, step + int(0.95 * (deadline - now) / per_step))
+                    with open(steps_file + ".tmp", "w") as f:
+                        json.dump(dict(steps=total, fixed_at_step=step, s_per_step=per_step,
+                                       time_limit_min=cfg["time_limit"]), f)
+                    os.replace(steps_file + ".tmp", steps_file)
+                    bar.total = total
+                    bar.refresh()
+                    tqdm.write(f"steps auto: {per_step:.3f} s a step, {total} steps fit in the time limit")
+            if step % cfg["log_every"] == 0 or step == total:
                 mm = {k: float(np.mean([float(h[k]) for h in hist])) for k in hist[0]}
                 dt = time.time() - t_last
-                rec = dict(step=step, lr=float(sched(step)), tok_s=tok_acc / dt, time=time.time(), **mm)
+                rec = dict(step=step, lr=lr, tok_s=tok_acc / dt, time=time.time(), **mm)
                 bar.set_postfix(loss=f"{mm['loss']:.3f}", acc=f"{mm['acc']:.3f}", tok_s=f"{rec['tok_s']:.0f}")
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
                 hist, tok_acc, t_last = [], 0.0, time.time()
             if step % cfg["ckpt_every"] == 0:
                 save(step)
-            if deadline is not None and time.time() > deadline and step < cfg["steps"]:
+            if deadline is not None and time.time() > deadline and (total is None or step < total):
                 stop.update(flag=True, timed_out=True)
                 tqdm.write(f"time limit of {cfg['time_limit']} min reached at step {step}: exporting the head as it is")
-            if step % cfg["eval_every"] == 0 or step == cfg["steps"] or stop["timed_out"]:
+            if step % cfg["eval_every"] == 0 or step == total or stop["timed_out"]:
                 evaluate(step)
                 t_last = time.time()
     except KeyboardInterrupt:
@@ -613,7 +680,7 @@ def main(argv=None):
         bar.close()
     if cfg["steps"] == 0:
         print("--steps 0: the --init-from head was evaluated; nothing trained, nothing exported")
-    elif step >= cfg["steps"] or stop["timed_out"]:
+    elif (total is not None and step >= total) or stop["timed_out"]:
         save_draft(whole(), os.path.join(cfg["out"], "final_orbax"), format="orbax")
         if cfg["export"]:
             save_draft(whole(), cfg["export"], format="eagle3" if draft.arch == "eagle3" else "eagle", dtype="bfloat16")
