@@ -418,6 +418,16 @@ def build_step(tmodule, dmodule, opt, cfg, fixed=None):
     return jax.jit(step, donate_argnums=(0, 1)), jax.jit(evaluate)
 
 
+def fit_steps(path, step, per_step, deadline, time_limit) -> int:
+    """steps auto: the step count that fits before `deadline` at `per_step` seconds a step, with 5%
+    to spare (evaluations, the export), written to `path` (steps.json) for a rerun to resume."""
+    total = max(step + 1, step + int(0.95 * (deadline - time.time()) / per_step))
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(steps=total, fixed_at_step=step, s_per_step=per_step, time_limit_min=time_limit), f)
+    os.replace(path + ".tmp", path)
+    return total
+
+
 def read_fitted_steps(path):
     """The step count a steps-auto run fixed (its steps.json), or None before it has."""
     if not os.path.exists(path):
@@ -646,13 +656,8 @@ def main(argv=None):
                     t_first, first_step = time.time(), step
                 elif step - first_step >= 5 and time.time() - t_first >= 0.05 * limit_s:
                     jax.block_until_ready(draft.params)
-                    now = time.time()
-                    per_step = (now - t_first) / (step - first_step)
-                    total = max(step + 1, step + int(0.95 * (deadline - now) / per_step))
-                    with open(steps_file + ".tmp", "w") as f:
-                        json.dump(dict(steps=total, fixed_at_step=step, s_per_step=per_step,
-                                       time_limit_min=cfg["time_limit"]), f)
-                    os.replace(steps_file + ".tmp", steps_file)
+                    per_step = (time.time() - t_first) / (step - first_step)
+                    total = fit_steps(steps_file, step, per_step, deadline, cfg["time_limit"])
                     bar.total = total
                     bar.refresh()
                     tqdm.write(f"steps auto: {per_step:.3f} s a step, {total} steps fit in the time limit")
