@@ -153,15 +153,15 @@ def test_steps_auto_fits_the_cosine_decay_to_the_time_limit(tiny_run):
     first = [r for r in _log(root, "auto") if "loss" in r]
     assert fixed["fixed_at_step"] >= 6 and fixed["steps"] > fixed["fixed_at_step"]
     assert first[-1]["lr"] < 3e-3 and os.path.exists(root / "auto_export" / "config.json")
-    # a rerun keeps the count (it resumes the same schedule): it trains what the time limit may have
-    # left of it, and at the count the learning rate is the cosine's floor
-    tdraft.main(args)
+    # a rerun, even with a longer limit, keeps the count (it resumes the same schedule): it trains
+    # what the first limit may have left of it, and its last step runs at the cosine's floor
+    tdraft.main(args[:-3] + ["1", "--export", str(root / "auto_export")])
     assert json.load(open(root / "auto" / "steps.json")) == fixed
     log = [r for r in _log(root, "auto") if "loss" in r]
-    assert log[-1]["step"] <= fixed["steps"]
-    if log[-1]["step"] == fixed["steps"]:
-        np.testing.assert_allclose(log[-1]["lr"], 3e-3 * 0.05, rtol=0.05)
-    assert [r["step"] for r in log] == list(range(1, log[-1]["step"] + 1))
+    assert [r["step"] for r in log] == list(range(1, fixed["steps"] + 1))
+    cfg = dict(tdraft.DEFAULTS, lr=3e-3, warmup_steps=2)
+    np.testing.assert_allclose(log[-1]["lr"], tdraft.learning_rate(cfg, fixed["steps"] - 1, fixed["steps"]), rtol=1e-6)
+    assert log[-1]["lr"] < 3e-3 * 0.06
 
 
 def test_export_eagle_format_reproduces_draft_logits(tmp_path):
