@@ -5,11 +5,12 @@ follows the target's distribution.
 """
 from . import ops
 from .batching import GenerateOutput
-from .checkpoints import CheckpointError, load_target
+from .checkpoints import load_target
 from .config import ModelConfig, SamplingConfig, TreeConfig
+from .convert import CheckpointError
 from .draft import Draft, init_draft
 from .draft_io import load_draft, save_draft
-from .eagle import generate
+from .generation import generate
 from .model import Target, forward, init_target
 from .sharding import make_mesh, parse_mesh
 from .vanilla import generate_vanilla

@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import TreeConfig
+from .config import SamplingConfig, TreeConfig
+from .defaults import REFERENCE_TREE, head_tree
 from .eagle import STEP, STREAM_STEP, start
+from .model import target_apply, target_logits
 from .programs import Program
 from .sampling import SamplingParams
-from .model import target_apply, target_logits
 from .tree import expand, rerank
 from .verify import accept_greedy
 
@@ -85,7 +86,6 @@ class Acceptance:
 def calibrate(target, draft, st, tree: TreeConfig, rounds: int):
     """Walk `rounds` real greedy rounds of `tree` from state `st`, measuring acceptance for every
     smaller size on the way. Returns (Acceptance, the state after the walk)."""
-    from .config import SamplingConfig
     dyn = (target.params, draft.params)
     mods = dict(tmodule=target.module, dmodule=draft.module)
     ranks, scores = [], []
@@ -107,8 +107,7 @@ def best_time(fn, make_args, repeats=3):
 
     Rounds are timed with the donating step a real generation's loop runs (its caches updated in
     place), each call on a fresh copy of the state: a non-donating step would add a copy of every
-    KV cache to each round (~3 ms at batch 1 here), inflating all sizes alike and so favouring
-    larger trees."""
+    KV cache to each round, inflating all sizes alike and so favouring larger trees."""
     best = float("inf")
     for _ in range(repeats):
         args = make_args()
@@ -122,7 +121,6 @@ def choose_tree(target, draft, prompts, *, depth: int = 5, top_k: int = 10, cand
                 calibration_rounds: int = 16, max_new_tokens: int = 128) -> TreeChoice:
     """Pick total_tokens for (depth, top_k) by measured round cost and measured greedy acceptance
     (`calibration_rounds` rounds over the prompts, see `calibrate`)."""
-    from .config import SamplingConfig
     pool_size = top_k + depth * top_k * top_k
     cands = sorted({min(n, pool_size + 1) for n in candidates})
     big = TreeConfig(depth, top_k, cands[-1])
@@ -145,3 +143,24 @@ def choose_tree(target, draft, prompts, *, depth: int = 5, top_k: int = 10, cand
                           round_ms=cost * 1e3, tokens_per_s=b.num_rows * tau / cost))
     best = max(table, key=lambda r: r["tokens_per_s"])
     return TreeChoice(TreeConfig(depth, top_k, best["total_tokens"]), table)
+
+
+def resolve_tree(draft=None, depth=None, top_k=None, total_tokens=None, *, target=None, prompts=None,
+                 backend=None, report=None) -> TreeConfig:
+    """The tree for a generation, for the library and every command alike: each field given here
+    (command-line flags), else the head's tree.json for this platform (defaults.head_tree), else the
+    reference tree. total_tokens "auto" times rounds on this machine over `prompts` (`choose_tree`)
+    and, with `report`, passes it the TreeChoice."""
+    fields = {**{k: getattr(REFERENCE_TREE, k) for k in ("depth", "top_k", "total_tokens")},
+              **head_tree(getattr(draft, "source", None), backend)}
+    for k, v in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
+        if v is not None:
+            fields[k] = v
+    if fields["total_tokens"] == "auto":
+        if target is None or draft is None or not prompts:
+            raise ValueError("total_tokens 'auto' needs the target, the draft and prompts to time rounds on")
+        choice = choose_tree(target, draft, prompts, depth=fields["depth"], top_k=fields["top_k"])
+        if report is not None:
+            report(choice)
+        return choice.tree
+    return TreeConfig(**fields)

@@ -22,8 +22,10 @@ import numpy as np
 from .cache import KVCache, init_cache
 from .config import ModelConfig
 from .layers import causal_mask, decoder_layer, dense, init_dense, init_layer, rope_tables
+from .eagle3 import Eagle3Draft, default_aux_layers
 from .model import Target, module_param, one_layer_forward, resolve_dtype
 from .ops import XLA, Ops
+from .sharding import param_shardings, shard_params
 
 
 class EagleDraft(nn.Module):
@@ -75,7 +77,6 @@ class Draft:
     @property
     def module(self):
         if self.arch == "eagle3":
-            from .eagle3 import Eagle3Draft
             return Eagle3Draft(self.config, self.draft_vocab_size, self.aux_layers, self.dtype, self.ops)
         return EagleDraft(self.config, self.bias, self.dtype, self.ops)
 
@@ -103,7 +104,6 @@ def abstract_draft_params(config: ModelConfig, bias: bool, dtype, arch: str = "e
 
 def _module(config, bias, dtype, arch, draft_vocab_size):
     if arch == "eagle3":
-        from .eagle3 import Eagle3Draft
         return Eagle3Draft(config, draft_vocab_size, (), dtype)
     if arch != "eagle2":
         raise ValueError(f"draft arch must be 'eagle2' or 'eagle3', got {arch!r}")
@@ -131,13 +131,11 @@ def init_draft(target: Target, seed: int = 0, dtype=None, bias: bool = True, arc
     an abstract target (shapes only), an abstract head. arch "eagle3": an EAGLE-3 head drafting over
     `draft_vocab_size` tokens (default: the whole vocabulary; d2t maps index i to token i) from the
     target layers `aux_layers` (default eagle3.default_aux_layers)."""
-    from .sharding import param_shardings, shard_params
     dt = resolve_dtype(dtype) if dtype is not None else target.dtype
     config = draft_config_for(target.config, **config_overrides)
     check_compatible(config, target.config)
     extra = {}
     if arch == "eagle3":
-        from .eagle3 import default_aux_layers
         draft_vocab_size = draft_vocab_size or target.config.vocab_size
         aux = tuple(aux_layers) if aux_layers is not None else default_aux_layers(target.config.num_hidden_layers)
         check_aux_layers(aux, target.config)
@@ -168,7 +166,6 @@ def draft_apply(module: EagleDraft, params, embeds, features, positions, cache, 
 
 def draft_own_topk(module, params, h, k: int):
     """An EAGLE-3 head's k best next tokens (its own norm and LM head, d2t to target ids)."""
-    from .eagle3 import Eagle3Draft
     return module.apply({"params": params}, h, k, method=Eagle3Draft.topk)
 
 
@@ -181,7 +178,6 @@ def with_draft_vocab(draft: Draft, target: Target, token_ids) -> Draft:
     ids = np.unique(np.asarray(token_ids, np.int64))
     if ids.size == 0 or ids.min() < 0 or ids.max() >= target.config.vocab_size:
         raise ValueError(f"draft vocabulary must be non-empty ids in [0, {target.config.vocab_size})")
-    from .sharding import shard_params
     ids_j = jnp.asarray(ids, jnp.int32)
     tied = target.config.tie_word_embeddings
     if target.abstract:

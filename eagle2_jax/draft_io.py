@@ -9,6 +9,7 @@ Ours: a directory with `eagle2_jax_draft.json` (config + bias) and an Orbax chec
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Optional
@@ -17,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .checkpoints import (CheckpointError, _id, _kv, _kvb, _o, _q, _qb, _t, check_params, convert)
 from . import layer_list
 from .config import ModelConfig
-from .draft import Draft, abstract_draft_params, check_compatible
+from .convert import (CheckpointError, check_params, convert, identity as _id, kv_bias as _kvb, kv_kernel as _kv,
+                      o_kernel as _o, q_bias as _qb, q_kernel as _q, transpose as _t)
+from .draft import Draft, abstract_draft_params, check_aux_layers, check_compatible, init_draft, with_draft_vocab
+from .eagle3 import default_aux_layers
 from .model import Target, resolve_dtype
 from .sharding import shard_params
 
@@ -100,8 +103,6 @@ def _is_eagle3(raw: dict, names) -> bool:
 
 
 def _load_eagle3(directory: str, raw: dict, tensors: dict, target: Target, dtype) -> Draft:
-    from .draft import check_aux_layers
-    from .eagle3 import default_aux_layers
     where = f"draft {directory}"
     if "draft_vocab_size" not in raw:
         raise CheckpointError(f"{where}: EAGLE-3 weights (midlayer.*) but config.json has no draft_vocab_size "
@@ -134,7 +135,6 @@ def _load_eagle3(directory: str, raw: dict, tensors: dict, target: Target, dtype
         raise CheckpointError(f"{where}: t2d has shape {tuple(t2d().shape)}, expected ({V},)")
     params = convert(tensors, EAGLE3_TABLE, config, dtype, stack=False)
     params["d2t"] = d2t.astype(np.int32)
-    from .draft import abstract_draft_params
     check_params(params, abstract_draft_params(config, False, dtype, "eagle3", Vd), where)
     return Draft(config, shard_params(params, target.mesh), False, dtype, source=directory, ops=target.ops,
                  arch="eagle3", draft_vocab_size=Vd, aux_layers=aux)
@@ -200,7 +200,6 @@ def load_draft(source: str, target: Target, dtype: Optional[str] = None, draft_v
 
 def _load_draft_vocab(source: str, target: Target, dtype, draft_vocab: bool) -> Draft:
     if str(source) == "random" or str(source).startswith("random:"):
-        from .draft import init_draft, with_draft_vocab
         d = init_draft(target, dtype=dtype)
         if draft_vocab and target.config.vocab_size > RANDOM_DRAFT_VOCAB:
             d = with_draft_vocab(d, target, np.arange(RANDOM_DRAFT_VOCAB))
@@ -208,7 +207,6 @@ def _load_draft_vocab(source: str, target: Target, dtype, draft_vocab: bool) -> 
     d = _load_draft(source, target, dtype)
     vocab = os.path.join(d.source, VOCAB_FILE)
     if draft_vocab and os.path.exists(vocab):
-        from .draft import with_draft_vocab
         try:
             with open(vocab) as f:
                 ids = json.load(f)["ids"]
@@ -280,7 +278,6 @@ def _unfused(draft: Draft) -> Draft:
     layer = draft.params["layers_0"]
     if "gate_up" not in layer["mlp"]:
         return draft
-    import dataclasses
     layer = {**layer, "mlp": layer_list.split_gate_up(layer["mlp"])}
     return dataclasses.replace(draft, params={**draft.params, "layers_0": layer})
 
@@ -314,7 +311,6 @@ def save_draft(draft: Draft, directory: str, format: str = "eagle", dtype: str =
     if vh is not None:
         with open(os.path.join(directory, VOCAB_FILE), "w") as f:
             json.dump({"ids": np.asarray(vh["ids"]).tolist()}, f)
-        import dataclasses
         draft = dataclasses.replace(draft, params={k: v for k, v in draft.params.items() if k != "vocab_head"})
     if format == "eagle":
         from safetensors.flax import save_file

@@ -1,35 +1,39 @@
-"""EAGLE-2 generation: a prefill program, then a decode program, a `lax.while_loop` of
-fixed-shape rounds on device.
+"""The EAGLE-2 round, whole: decode state, the three phases, and the programs that run them.
 
-One round: expand -> rerank -> verify (one target forward over the N tree tokens) -> accept ->
-compact (commit the accepted path's target KV) -> catch-up (the draft consumes the accepted
-tokens with their target features; draft KV of tree nodes is never committed).
+One round (`eagle_round`) is three public phases over fixed shapes:
+  draft_tree         expand (the draft's passes, the candidate pool) and rerank (the N-node tree)
+  verify_tree        one target forward over the N tree tokens (ancestor mask, positions by depth)
+  accept_and_commit  accept (greedy or lossless sampling), compact (the accepted path's target KV
+                     after the committed prefix), emit, catch-up (the draft consumes the accepted
+                     tokens with their target features; the draft KV of tree nodes is never committed)
+Timing tools (infer.roundcost, infer.analytic) compile these same functions.
 
-Compile keys: PREFILL per (batch bucket, prompt bucket, cache bucket); LOOP per (batch bucket,
-cache bucket, tree, greedy or sampling). Prompt length and max_new_tokens are arrays in the
-state, and temperature / top-k / top-p traced values (sampling.SamplingParams).
+Programs: PREFILL (the prompt into both caches and the first token) per (batch bucket, prompt
+bucket, cache bucket); LOOP (a `lax.while_loop` of rounds on device) per (batch bucket, cache
+bucket, tree, greedy or sampling). Prompt length and max_new_tokens are arrays in the state,
+temperature / top-k / top-p traced values (sampling.SamplingParams).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .batching import GenerateOutput, eos_value, prepare_batch
+from .batching import eos_value, prepare_batch
 from .cache import KVCache, advance, compact, init_cache
 from .config import SamplingConfig, TreeConfig
-from .draft import Draft, EagleDraft, check_compatible, draft_apply
+from .draft import Draft, EagleDraft, draft_apply
 from .layers import causal_mask
-from .model import Llama, Target, is_abstract, target_apply, target_embed, target_logits
+from .model import Llama, Target, target_apply, target_embed, target_logits
 from .outputs import emit
 from .sampling import SamplingParams, row_keys, sample_rows, step_keys
 from .sharding import batch_multiple, constrain_cache
-from .tree import expand, rerank
-from .programs import Program, run
-from .vanilla import _device_inputs, prefill
+from .tree import Tree, expand, rerank
+from .programs import Program
+from .vanilla import device_inputs, prefill
 from .verify import accept_greedy, accept_sampling
 
 
@@ -88,36 +92,52 @@ def init_state(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, prompt_BP,
                       jnp.zeros((B, rounds_cap), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.int32(1), eos)
 
 
-def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState,
-                sampling: SamplingParams, tree: TreeConfig) -> EagleState:
-    B = st.root_B.shape[0]
-    C = tree.max_accept
-    active = ~st.done_B
-    # expand + rerank
+@struct.dataclass
+class Verified:
+    """What one target forward over a tree gives the acceptance (`verify_tree`)."""
+    logits_BNV: jax.Array  # float32 target logits after each tree node
+    features_BND: jax.Array  # what the draft's catch-up reads per node (EAGLE-3: the aux layers' states)
+    tcache: KVCache  # the target cache with the tree's keys/values written after the committed prefix
+
+
+def draft_tree(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState, tree: TreeConfig):
+    """Phase 1, draft: expand the candidate pool from the draft's hidden state, rerank it into the
+    N-node tree under the root. Returns (Tree, draft cache with the tree nodes' scratch entries)."""
     pool, dcache = expand(tmodule, tparams, dmodule, dparams, st.dcache, st.hidden_BD, tree)
-    t = rerank(pool, st.root_B, tree)
-    # verify: one target forward over the tree, positions by depth, ancestor mask
+    return rerank(pool, st.root_B, tree), dcache
+
+
+def verify_tree(tmodule: Llama, tparams, dmodule: EagleDraft, st: EagleState, t: Tree) -> Verified:
+    """Phase 2, verify: one target forward over the N tree tokens, positions by depth, attention over
+    the committed prefix and the ancestor mask."""
     pos = st.tcache.length[:, None] + t.depths_BN
     out = target_apply(tmodule, tparams, t.tokens_BN, pos, st.tcache, t.ancestors_BNN, aux_layers=dmodule.aux_layers)
     feats, tcache = out[:2]
-    logits = target_logits(tmodule, tparams, feats)  # [B, N, V] float32
-    draft_feats = out[2] if dmodule.aux_layers else feats  # what the draft reads (EAGLE-3: three layers)
-    # accept
+    return Verified(target_logits(tmodule, tparams, feats), out[2] if dmodule.aux_layers else feats, tcache)
+
+
+def accept_and_commit(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState, t: Tree,
+                      v: Verified, dcache: KVCache, sampling: SamplingParams, tree: TreeConfig) -> EagleState:
+    """Phase 3, accept and commit: the longest correct path (greedy or lossless sampling), its target
+    keys/values compacted after the committed prefix, its tokens and the bonus emitted, and the draft
+    caught up on them. Rows already done keep their state."""
+    B = st.root_B.shape[0]
+    C = tree.max_accept
+    active = ~st.done_B
     if sampling.greedy:
-        path, n_acc, bonus = accept_greedy(t, logits, C)
+        path, n_acc, bonus = accept_greedy(t, v.logits_BNV, C)
     else:
-        path, n_acc, bonus = accept_sampling(t, logits, step_keys(st.keys_B, st.step), C, sampling)
+        path, n_acc, bonus = accept_sampling(t, v.logits_BNV, step_keys(st.keys_B, st.step), C, sampling)
     n_acc = jnp.where(active, n_acc, 0)
-    # compact: the accepted path's target KV goes right after the committed prefix
-    tcache = compact(tcache, path, n_acc)
-    # emit: accepted draft tokens then the bonus
+    tcache = compact(v.tcache, path, n_acc)
+    # the accepted draft tokens (the path after its root), then the bonus
     d = jnp.arange(C)[None]
     path_tok = jnp.take_along_axis(t.tokens_BN, path, axis=1, mode="promise_in_bounds")  # [B, C], root first
     nxt = jnp.concatenate([path_tok[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
     new_tok = jnp.where(d == (n_acc - 1)[:, None], bonus[:, None], nxt)
-    out, n_out, done, added = emit(st.out_BM, st.n_out_B, st.done_B, new_tok, n_acc, st.max_new_B, st.eos)
+    out, n_out, done, _ = emit(st.out_BM, st.n_out_B, st.done_B, new_tok, n_acc, st.max_new_B, st.eos)
     # catch-up: pairs (feature of path node d, token after it)
-    path_feat = jnp.take_along_axis(draft_feats, path[:, :, None], axis=1, mode="promise_in_bounds")
+    path_feat = jnp.take_along_axis(v.features_BND, path[:, :, None], axis=1, mode="promise_in_bounds")
     hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, new_tok, path_feat, n_acc)
     r = jnp.minimum(st.rounds_B, st.accept_BR.shape[1] - 1)
     accept = st.accept_BR.at[jnp.arange(B), r].set(jnp.where(active, n_acc, st.accept_BR[jnp.arange(B), r]))
@@ -125,6 +145,14 @@ def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: Eagle
     return st.replace(tcache=tcache, dcache=dcache, root_B=keep(bonus, st.root_B),
                       hidden_BD=keep(hidden, st.hidden_BD), out_BM=out, n_out_B=n_out, done_B=done,
                       accept_BR=accept, rounds_B=st.rounds_B + active.astype(jnp.int32), step=st.step + 1)
+
+
+def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState,
+                sampling: SamplingParams, tree: TreeConfig) -> EagleState:
+    """One EAGLE-2 round: draft, verify, accept and commit."""
+    t, dcache = draft_tree(tmodule, tparams, dmodule, dparams, st, tree)
+    v = verify_tree(tmodule, tparams, dmodule, st, t)
+    return accept_and_commit(tmodule, tparams, dmodule, dparams, st, t, v, dcache, sampling, tree)
 
 
 def scratch_slots(tree: TreeConfig) -> int:
@@ -157,12 +185,12 @@ STEP = Program(_step, ("tmodule", "dmodule", "tree"))
 STREAM_STEP = Program(_step, ("tmodule", "dmodule", "tree"), donate=("st",))
 
 
-def _program_inputs(target: Target, draft: Draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree):
+def program_inputs(target: Target, draft: Draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree):
     """The padded batch, the dynamic arguments and the static settings of PREFILL (LOOP takes its state)."""
     b = prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
                       max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree),
                       batch_multiple=batch_multiple(target.mesh))
-    prompt, plen, active = _device_inputs(target, b)
+    prompt, plen, active = device_inputs(target, b)
     args = (target.params, draft.params, prompt, plen, active, np.int32(max_new_tokens),  # numpy: replicated
             np.int32(eos_value(eos_token_id)), np.uint32(seed), SamplingParams.of(sampling))
     static = dict(tmodule=target.module, dmodule=draft.module, cache_len=b.cache_len,
@@ -174,52 +202,5 @@ def start(target: Target, draft: Draft, prompts, *, max_new_tokens: int, tree: T
           sampling: SamplingConfig = SamplingConfig(), eos_token_id: Optional[int] = None, seed: int = 0):
     """(state after prefill and the first token, padded batch): for tools that step rounds themselves
     (STEP / STREAM_STEP with `tree` or any smaller tree of the same depth and top_k)."""
-    b, args, static = _program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
+    b, args, static = program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
     return PREFILL(*args, **static), b
-
-
-def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None, seed: int = 0,
-             tree=None, stream: Optional[Callable[[int, list], None]] = None,
-             timings: Optional[dict] = None, compile_only: bool = False) -> Optional[GenerateOutput]:
-    """EAGLE-2 speculative decoding of token-id prompts; lossless with respect to the target.
-
-    `tree`: a TreeConfig; None: the head's tree for this platform, else the reference tree
-    (eagle2_jax.defaults, as the command line); "auto": the tree size timed on this machine
-    (eagle2_jax.autotune, as `--total-tokens auto`). Returns `.tokens` (new tokens per prompt, EOS
-    kept) and `.accept_lengths` (tokens added per round, bonus included; tau is their mean). With `stream`, rounds are stepped from the host.
-    With `timings` (a dict), records compile_s and run_s. With `compile_only`, compiles the prefill
-    and decode programs these prompts and settings need (cached for later calls), runs nothing and
-    returns None; it also works for abstract params (load_target(..., abstract=True)).
-    """
-    if tree is None:
-        from .defaults import default_tree
-        tree = default_tree(draft)
-    elif isinstance(tree, str) and tree == "auto":
-        from .autotune import choose_tree
-        from .defaults import default_tree
-        base = default_tree(draft)
-        tree = choose_tree(target, draft, prompts, depth=base.depth, top_k=base.top_k).tree
-    if not isinstance(tree, TreeConfig):
-        raise ValueError(f"tree must be a TreeConfig, 'auto' or None, got {tree!r}")
-    check_compatible(draft.config, target.config)
-    sampling = SamplingConfig(temperature, top_k, top_p)
-    if tree.top_k > target.config.vocab_size:
-        raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({target.config.vocab_size})")
-    if draft.proposal_vocab_size is not None and tree.top_k > draft.proposal_vocab_size:
-        raise ValueError(f"tree top_k {tree.top_k} exceeds the draft head's vocabulary ({draft.proposal_vocab_size})")
-    if (target.abstract or is_abstract(draft.params)) and not compile_only:
-        raise ValueError("this target or draft has abstract params (shapes only): use compile_only=True")
-    b, args, static = _program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
-    st = run(PREFILL, LOOP, STREAM_STEP, args, static, (target.params, draft.params),
-             dict(tmodule=target.module, dmodule=draft.module, tree=tree), b.num_rows,
-             stream, timings, compile_only)
-    if compile_only:
-        return None
-    out, n_out, acc, rounds = st.out_BM, st.n_out_B, st.accept_BR, st.rounds_B
-    from .sharding import to_host
-    out, n_out, acc, rounds = map(to_host, (out, n_out, acc, rounds))
-    rows = range(b.num_rows)
-    return GenerateOutput(tokens=[out[r, :n_out[r]].tolist() for r in rows],
-                          accept_lengths=[acc[r, :rounds[r]].tolist() for r in rows],
-                          rounds=[int(rounds[r]) for r in rows])

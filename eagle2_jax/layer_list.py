@@ -1,33 +1,28 @@
 """Per-layer weight buffers: the target's layers as L separate buffers and an unrolled layer loop.
 
 The core scans the decoder layers over stacked weights ([L, ...] leaves under params["layers"]):
-one compiled layer body whatever the depth. XLA's TPU compiler reads each layer's slice of the
-stack in place. XLA's GPU compiler does not: inside the scan it copies every layer's weights out of
-the stack (a dynamic-slice kernel) before each matmul, so a plain Llama-3.1-8B step reads ~42 GB
-instead of ~15 GB (`python -m infer.roundcost --analytic --compile-for h200`; the same with a static
-unroll of the stack). With each layer's weights a buffer of their own the matmuls read them where
-they are, at the price of compiling every layer (MaxText's scan_layers=False).
+one compiled layer body whatever the depth. A compiler that copies each scanned layer's weights out
+of the stack before its matmuls (XLA for GPU, read from its compiled programs: docs/performance.md)
+reads the weights several times over; with each layer's weights a buffer of their own the matmuls
+read them where they are, at the price of compiling every layer (MaxText's scan_layers=False).
 
-`per_layer(target)` turns a loaded target's stacked weights into `LayerList` leaves (one buffer per
-layer, same shardings); `Ops.scan_layers` sees them and runs the layer body once per layer instead
-of a scan (`unrolled_scan`), reading the stacked KV cache by static slices. `load_target` does this
-on GPU unless EAGLE2_JAX_LAYERS=scan (EAGLE2_JAX_LAYERS=list does it everywhere).
+Whether a target runs this way is one setting of its Ops (`Ops.layers`, "scan" or "list"), chosen at
+load; `per_layer(target)` then turns its stacked weights into `LayerList` leaves (one buffer per
+layer, same shardings) and `Ops.scan_layers` runs the layer body once per layer (`unrolled_scan`),
+reading the stacked KV cache by static slices. This module imports nothing of the package.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 
 # A layer's outputs (its new keys and values) larger than this are made within the layer: left free,
-# XLA's GPU compiler fuses their last steps (summing a split-K matmul's float32 partials) into the
-# cache write after the last layer, which then reads every layer's partials long after the L2 has
-# dropped them (tree verification at 8B, 60 tokens: 0.56 GB a round). A decode step's few bytes
-# are left to fuse, which saves it two kernels a layer.
+# XLA's GPU compiler fuses their last steps into the cache write after the last layer, which then
+# reads every layer's partial sums back long after the L2 has dropped them; a decode step's few
+# bytes are left to fuse, which saves it kernels.
 BARRIER_BYTES = 64 * 1024
-SWITCH = "EAGLE2_JAX_LAYERS"  # "scan": stacked weights, one scanned layer body; "list": per-layer buffers
 
 
 @jax.tree_util.register_pytree_node_class
@@ -101,18 +96,15 @@ def per_layer(target, *, release: bool = False):
     """The target with its stacked layer weights as per-layer buffers (a no-op if they already are).
     Unless the MLP is split across devices (or has biases), each layer's gate and up weights become
     one [D, 2F] buffer, "gate_up", read by one matmul: apart, XLA's GPU compiler writes the gate's
-    split-K partial sums, streams the up weights (117 MB at 8B) through the L2, and only then reads
-    them back (tree verification at 8B: 0.44 GB a round).
+    split-K partial sums and streams the up weights through the L2 before it reads them back.
 
     `release` (for a caller that holds no other reference to the stacked weights, as load_target):
     each stacked weight is freed as soon as it is split, so device memory peaks near the weights plus
-    the largest one (gate and up together: 7.5 GB at 8B), not twice the weights. `target` is then
-    unusable."""
+    the largest one (gate and up together), not twice the weights. `target` is then unusable. The
+    result's Ops run the layers as a list (`Ops.layers`); a backend with its own layer loop refuses."""
+    ops = dataclasses.replace(target.ops, layers="list")  # (a backend with its own layer loop refuses)
     if holds_layer_lists(target.params["layers"]):
-        return target
-    if not uses_core_layer_loop(target):
-        raise ValueError(f"the {target.ops.name!r} backend reads stacked layer weights itself; "
-                         f"per-layer buffers are for the XLA path (GPU)")
+        return target if ops == target.ops else dataclasses.replace(target, ops=ops)
 
     def done(stacks, parts):  # the stacked weights just split: free them once their slices are computed
         if release:
@@ -139,16 +131,16 @@ def per_layer(target, *, release: bool = False):
         done((a,), out)
         return out
     layers = jax.tree_util.tree_map(split, {**stacked, "mlp": mlp}, is_leaf=is_layer_list)
-    return dataclasses.replace(target, params={**target.params, "layers": layers})
+    return dataclasses.replace(target, params={**target.params, "layers": layers}, ops=ops)
 
 
 def draft_like(draft, target):
     """The draft with its layer's gate and up weights as one [D, 2F] "gate_up" buffer when `target`
-    holds per-layer buffers (as `per_layer` gives them, for the same reason: at the 8B shape apart
-    they cost a kernel and the up weights' trip through the L2 at each draft pass); else unchanged.
+    runs per-layer buffers (as `per_layer` gives them, for the same reason: apart they cost a kernel
+    and the up weights' trip through the L2 at each draft pass); else unchanged.
     `split_gate_up` undoes it (the head's writers use it)."""
     layer = draft.params.get("layers_0") if isinstance(draft.params, dict) else None
-    if not holds_layer_lists(target.params["layers"]) or layer is None or not _fusable(layer["mlp"]):
+    if target.ops.layers != "list" or layer is None or not _fusable(layer["mlp"]):
         return draft
     mlp = dict(layer["mlp"])
     g, u = mlp.pop("gate")["kernel"], mlp.pop("up")["kernel"]
@@ -174,13 +166,6 @@ def _fusable(mlp) -> bool:
             and _whole_on_each_device(gate["kernel"]))
 
 
-def uses_core_layer_loop(target) -> bool:
-    """Whether the target's ops run the core's layer loop (the XLA path), not a backend's own (the
-    CPU backend reads stacked weights in place)."""
-    from .ops import Ops
-    return type(target.ops).scan_layers is Ops.scan_layers
-
-
 def _whole_on_each_device(a) -> bool:
     s = getattr(a, "sharding", None)
     return not isinstance(s, jax.sharding.NamedSharding) or all(x is None for x in s.spec)
@@ -188,11 +173,3 @@ def _whole_on_each_device(a) -> bool:
 
 def _concat_last(a, b):
     return jax.ShapeDtypeStruct(a.shape[:-1] + (a.shape[-1] + b.shape[-1],), a.dtype, sharding=a.sharding)
-
-
-def wanted(platform: str) -> bool:
-    """Per-layer buffers for this platform ('cpu', 'gpu', 'tpu')? EAGLE2_JAX_LAYERS overrides."""
-    choice = os.environ.get(SWITCH, "").strip().lower()
-    if choice not in ("", "scan", "list"):
-        raise ValueError(f"{SWITCH} must be 'scan' or 'list', got {choice!r}")
-    return choice == "list" or (choice == "" and platform == "gpu")

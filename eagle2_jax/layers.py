@@ -65,8 +65,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 def rope_tables(config: ModelConfig, positions_BT: jax.Array):
     """(cos, sin) [B, T, 1, Dh] float32, the rotary tables of these positions in Hugging Face's
     half-split convention ([cos, cos] and [-sin, sin]). A forward computes them once, before its
-    layer loop: XLA does not hoist them out of a scan over layers (on TPU they cost 3 kernels a
-    layer)."""
+    layer loop: XLA does not hoist them out of a scan over layers, where they would cost kernels in
+    every layer."""
     inv_freq = rope_inv_freq(config)
     angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)[None, None]
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [B, T, Dh/2]

@@ -21,10 +21,11 @@ import numpy as np
 
 from .cache import KVCache, init_cache, write
 from .config import ModelConfig
-from .layer_list import holds_layer_lists
 from .layers import (attend_beside, attend_within, cache_mask, causal_mask, decoder_layer, init_layers, rms_norm,
                      rope_tables, split_masks)
-from .ops import XLA, Ops
+from .defaults import default_dtype
+from .ops import XLA, Ops, choose
+from .sharding import param_shardings, shard_params
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -43,12 +44,11 @@ def writes_first(ops: Ops, T: int, fresh: bool, static_layers: bool = True) -> b
     is a static slice (`static_layers`: a one-layer draft, or the layer loop unrolled, as over the
     per-layer weight buffers used on GPU). A single token's own key is one score that XLA folds into
     the softmax's reductions, so a decode step keeps the two-block form and writes all layers after
-    the loop (XLA for H200 at 8B: 19 kernels a layer, against 21 written first; tree verification:
-    17 written first, against 21). In a scan over stacked layers (TPU, CPU) the layer's cache
-    would be cut out of a cache carried through the loop by a dynamic slice, a copy of the whole
-    layer cache every layer (TPU v6e at 8B: 2 copies and 7 small ops more a layer); there the scan
-    reads the cache in place as its input instead. A prefill into an empty cache attends over its
-    own tokens alone."""
+    the loop (fewer kernels a layer), while tree verification writes first (fewer again). In a scan
+    over stacked layers (TPU, CPU) the layer's cache would be cut out of a cache carried through the
+    loop by a dynamic slice, a copy of the whole layer cache every layer; there the scan reads the
+    cache in place as its input instead. A prefill into an empty cache attends over its own tokens
+    alone. (Kernel counts of each form: docs/performance.md.)"""
     return ops.cache_first and T > 1 and not fresh and static_layers
 
 
@@ -72,7 +72,6 @@ def one_layer_forward(ops: Ops, cache: KVCache, local_mask_BTU, offset: int, fre
 def resolve_dtype(dtype) -> Any:
     """A dtype from a name; None or "auto": the backend's default (eagle2_jax.defaults)."""
     if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
-        from .defaults import default_dtype
         dtype = default_dtype()
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -137,7 +136,7 @@ class Llama(nn.Module):
             hit = jnp.asarray(aux_layers, jnp.int32) == ops.weight(i)
             return jnp.where(hit[:, None, None, None], x_BTD[None], aux_ABTD)
 
-        unrolled = ops.unroll_layers or holds_layer_lists(self.layers)
+        unrolled = ops.unroll_layers or ops.layers == "list"
         if writes_first(ops, tokens_BT.shape[1], fresh, unrolled):  # each layer writes, then attends over its cache
             (mask_BTS,) = ops.loop_masks((cache_mask(cache.length, local_mask_BTU, cache.max_len),), G)
 
@@ -229,8 +228,6 @@ def _init_params(module: Llama, key):
 def init_target(config: ModelConfig, seed: int = 0, dtype="auto", mesh=None, abstract: bool = False) -> Target:
     """A randomly initialised target (for tests and timing). With `abstract`, params are
     jax.ShapeDtypeStruct leaves (sharded like real ones): nothing is allocated, for compiling only."""
-    from .ops import choose
-    from .sharding import param_shardings, shard_params
     dt = resolve_dtype(dtype)
     if abstract:
         params = abstract_target_params(config, dt)

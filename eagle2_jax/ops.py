@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from .layer_list import unrolled_scan
+
 NEG_INF = -1e30  # large finite negative for masked scores (float32)
 HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -49,6 +51,15 @@ class Ops:
     # as it was and the new keys/values are two blocks of one softmax (`layers.attend_beside`), the
     # form a backend's two-block attention kernel takes
     cache_first: bool = True
+    # how the decoder layers run: "scan", one layer body scanned over stacked [L, ...] weights (program
+    # size and compile time flat in depth); "list", each layer's weights a buffer of their own
+    # (`layer_list.per_layer`, made at load) and the layer loop unrolled, for a compiler that would
+    # copy a scanned layer's weights out of the stack before using them (XLA for GPU)
+    layers: str = "scan"
+
+    def __post_init__(self):
+        if self.layers not in ("scan", "list"):
+            raise ValueError(f"layers must be 'scan' or 'list', got {self.layers!r}")
 
     # ---- weights ------------------------------------------------------------------------------
     def weight(self, w) -> jax.Array:
@@ -100,27 +111,27 @@ class Ops:
         loop: broadcast to the query rows ([B, 1, G * T, X], `row_mask`) for the "rows" and
         "slots" score layouts, which XLA would otherwise rebuild in every layer; as they are for
         "heads", which broadcasts them inside the score kernel (XLA's TPU compiler moves a row
-        broadcast made before a scan back into every layer: 5 kernels a layer in tree verification
-        at 8B). A backend whose `attend` takes [B, T, X] masks returns them as they are."""
+        broadcast made before a scan back into every layer, at a few kernels a layer). A backend
+        whose `attend` takes [B, T, X] masks returns them as they are."""
         return masks if self.scores == "heads" else tuple(row_mask(m, G) for m in masks)
 
     def scan_layers(self, body: Callable, carry, xs):
-        """`lax.scan(body, carry, xs)` over stacked layers (xs leaves [L, ...]); over per-layer
-        weight buffers (`layer_list.LayerList` leaves) the body once per layer instead."""
-        from .layer_list import holds_layer_lists, unrolled_scan
-        if holds_layer_lists(xs):
+        """`lax.scan(body, carry, xs)` over stacked layers (xs leaves [L, ...]); with `layers` "list"
+        (per-layer weight buffers) the body once per layer instead."""
+        if self.layers == "list":
             return unrolled_scan(body, carry, xs)
         return jax.lax.scan(body, carry, xs, unroll=self.unroll_layers)
 
 
 XLA = Ops()
+XLA_GPU = Ops(name="xla-gpu", layers="list")  # the XLA path as XLA's GPU compiler reads weights best
 XLA_TPU = Ops(name="xla-tpu", scores="heads")  # the XLA path as XLA's TPU compiler fuses it best
 XLA_CPU = Ops(name="xla-cpu", f32_dot_outputs=True, scores="slots")  # the XLA path as XLA:CPU runs it fastest
 
 
 def xla_for(platform: str) -> Ops:
     """The XLA path's settings for a platform ("cpu", "tpu", anything else a GPU)."""
-    return {"cpu": XLA_CPU, "tpu": XLA_TPU}.get(platform, XLA)
+    return {"cpu": XLA_CPU, "tpu": XLA_TPU}.get(platform, XLA_GPU)
 
 
 def query_rows(q_BTHD, K: int):
@@ -143,13 +154,13 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=Non
     (no concatenated copy), normalised after the value products ([Dh] a query, not [slots]).
     The scores' layout (`Ops.scores`; same values in each):
       "rows"  [B, K, M, slots] over query rows m = g * T + t (`query_rows`): the softmax reduces
-              along the minor axis (XLA for H200 at 8B: 17 kernels a verification layer);
+              along the minor axis, in the fewest kernels XLA's GPU compiler makes of it;
       "heads" [B, K, G, T, slots]: each KV head's G query heads as the query projection lays them
               out, so the queries are not moved into rows (XLA's TPU compiler folds the output's
               transpose into the products' layouts) and a [B, T, X] mask broadcasts inside the
-              score kernel (XLA for TPU v6e at 8B, batch 4, 60 tokens: 30
-              kernels a verification layer against 38 for "rows"; on H200 "rows" has 3 fewer);
-      "slots" [B, K, slots, M]: with few query rows XLA's CPU matmuls are several times faster."""
+              score kernel: fewer kernels than "rows" for XLA's TPU compiler;
+      "slots" [B, K, slots, M]: with few query rows XLA's CPU matmuls are several times faster.
+    (Kernel counts per layout and platform: docs/performance.md.)"""
     B, T, H, Dh = q_BTHD.shape
     K = k_BKSD.shape[1]
     G = H // K
@@ -199,7 +210,7 @@ def register(chooser: Callable[[Any, Any, Any], Optional[Ops]]) -> None:
 
 def choose(params, dtype, mesh=None) -> Ops:
     """The Ops for a target's params: the first registered backend that takes them, else the XLA
-    path (with XLA:CPU's dot outputs when the backend is a CPU)."""
+    path's settings for the backend (`xla_for`)."""
     for chooser in _CHOOSERS:
         ops = chooser(params, dtype, mesh)
         if ops is not None:

@@ -19,8 +19,7 @@ def emit(out_BM, n_out_B, done_B, tokens_BC, count_B, max_new_B, eos):
     count = jnp.minimum(jnp.minimum(count_B, first_eos + 1), max_new_B - n_out_B)
     count = jnp.where(done_B, 0, jnp.maximum(count, 0))
     # out[b, n_out[b] + c] = tokens[b, c] as one select over the buffer: a per-row
-    # dynamic_update_slice is a scatter, which XLA's TPU compiler runs as a loop over the rows (7-10
-    # kernels a row, every step and round)
+    # dynamic_update_slice is a scatter, which XLA's TPU compiler runs as a loop over the rows
     hit_BMC = (jnp.arange(out_BM.shape[1])[None, :, None] - n_out_B[:, None, None]) == idx[None]
     picked_BM = jnp.sum(jnp.where(hit_BMC, tokens_BC.astype(out_BM.dtype)[:, None, :], 0), axis=2)
     out = jnp.where(jnp.any(hit_BMC, axis=2), picked_BM, out_BM)

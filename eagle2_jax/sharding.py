@@ -95,13 +95,13 @@ def param_spec(path: str, shape, mesh: Mesh, rules=PARAM_RULES) -> P:
     return P()
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def param_shardings(params, mesh: Mesh, rules=PARAM_RULES):
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, param_spec(_path_str(p), x.shape, mesh, rules)), params)
+        lambda p, x: NamedSharding(mesh, param_spec(path_str(p), x.shape, mesh, rules)), params)
 
 
 def put_global(x, sharding):

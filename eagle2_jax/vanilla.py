@@ -17,7 +17,7 @@ from .model import Llama, Target, target_apply, target_logits
 from .outputs import emit
 from .programs import Program, run
 from .sampling import SamplingParams, row_keys, sample_rows, step_keys
-from .sharding import batch_multiple, constrain_cache
+from .sharding import batch_multiple, constrain_cache, put_global, to_host
 
 
 @struct.dataclass
@@ -103,21 +103,20 @@ def _prepare(target: Target, prompts, max_new_tokens, slack: int):
                          batch_multiple=batch_multiple(target.mesh))
 
 
-def _device_inputs(target: Target, b):
-    import numpy as np
+def device_inputs(target: Target, b):
+    """The padded batch's prompts, lengths and active rows on the target's devices (rows on `data`)."""
     active = np.arange(b.prompt_BP.shape[0]) < b.num_rows
     arrays = (b.prompt_BP, b.prompt_len_B, active)
     if target.mesh is None:
         return tuple(map(jnp.asarray, arrays))
-    from .sharding import put_global
     rows = jax.sharding.NamedSharding(target.mesh, jax.sharding.PartitionSpec("data"))
     return tuple(put_global(a, rows) for a in arrays)
 
 
-def _program_inputs(target: Target, prompts, max_new_tokens, eos_token_id, seed, sampling):
+def program_inputs(target: Target, prompts, max_new_tokens, eos_token_id, seed, sampling):
     """The padded batch, the dynamic arguments and the static settings of PREFILL (LOOP takes its state)."""
     b = _prepare(target, prompts, max_new_tokens, slack=1)
-    prompt, plen, active = _device_inputs(target, b)
+    prompt, plen, active = device_inputs(target, b)
     args = (target.params, prompt, plen, active, np.int32(max_new_tokens),  # numpy scalars: replicated
             np.int32(eos_value(eos_token_id)), np.uint32(seed), SamplingParams.of(sampling))
     static = dict(module=target.module, cache_len=b.cache_len, out_len=b.cache_len, mesh=target.mesh)
@@ -127,32 +126,33 @@ def _program_inputs(target: Target, prompts, max_new_tokens, eos_token_id, seed,
 def start(target: Target, prompts, *, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
           eos_token_id: Optional[int] = None, seed: int = 0):
     """(state after prefill and the first token, padded batch): for tools that step decoding themselves."""
-    b, args, static = _program_inputs(target, prompts, max_new_tokens, eos_token_id, seed, sampling)
+    b, args, static = program_inputs(target, prompts, max_new_tokens, eos_token_id, seed, sampling)
     return PREFILL(*args, **static), b
 
 
 def generate_vanilla(target: Target, prompts, *, max_new_tokens: int, temperature: float = 0.0,
                      top_p: float = 1.0, top_k: int = 0, eos_token_id: Optional[int] = None,
                      seed: int = 0, stream: Optional[Callable[[int, list], None]] = None,
-                     timings: Optional[dict] = None, compile_only: bool = False) -> Optional[GenerateOutput]:
+                     timings: Optional[dict] = None, compile_only: bool = False,
+                     gpu_graphs: str = "body") -> Optional[GenerateOutput]:
     """Plain decoding of a batch of token-id prompts; one compiled `lax.while_loop` on device.
 
     With `stream`, steps from the host instead and calls stream(row, new_tokens) as tokens come.
     With `timings` (a dict), records compile_s and run_s. With `compile_only`, compiles the program
     these prompts and settings need (cached for later calls), runs nothing and returns None.
+    `gpu_graphs`: the decode loop's CUDA graphs on a GPU (eagle2_jax.programs).
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
     if target.abstract and not compile_only:
         raise ValueError("this target has abstract params (shapes only): use compile_only=True")
-    b, args, static = _program_inputs(target, prompts, max_new_tokens, eos_token_id, seed, sampling)
+    b, args, static = program_inputs(target, prompts, max_new_tokens, eos_token_id, seed, sampling)
     st = run(PREFILL, LOOP, STREAM_STEP, args, static, (target.params,), dict(module=target.module),
-             b.num_rows, stream, timings, compile_only)
+             b.num_rows, stream, timings, compile_only, gpu_graphs)
     if compile_only:
         return None
     return _collect(st.out_BM, st.n_out_B, b.num_rows)
 
 
 def _collect(out, n_out, rows):
-    from .sharding import to_host
     out, n_out = to_host(out), to_host(n_out)
     return GenerateOutput(tokens=[out[r, :n_out[r]].tolist() for r in range(rows)])

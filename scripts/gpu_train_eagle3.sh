@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 23, for a lent GPU: self-distilled responses for every training prompt written by our batched
-# decoder (greedy, plus one sample per prompt at temperature 1), an EAGLE-3 head trained on them there
-# (continuing from the shipped one), and its bf16 export brought back in $OUT/head, all in one call of
-# under 10 minutes on one H200. Measure it here afterwards (scripts/measure_eagle3.sh) and ship it only
-# if it beats the shipped head.
+# What: EAGLE-3 data and training on a lent GPU in one call (docs/training.md, "On a lent GPU"):
+# self-distilled responses for every training prompt written by our batched decoder (greedy, plus one
+# sample per prompt at temperature 1), an EAGLE-3 head trained on them there (continuing from the
+# shipped one, --steps auto so the schedule ends with the time limit), and its bf16 export brought
+# back in $OUT/head (default runs/gpu_e3). Measure it on the CPU afterwards (scripts/measure_eagle3.sh)
+# and ship it only if it beats the shipped head.
 #
 #   bash scripts/gpu_bench.sh prepare          # here, once: .gpu/whl (gguf wheel), .gpu/a, .gpu/b (the GGUF halves)
 #   bash scripts/gpu_train_eagle3.sh prepare   # here, once: .gpu/shared (the train/ and eval/ prompt files)
@@ -13,8 +14,12 @@
 # (gpu_bench.sh's call a also leaves that half, so b can follow it instead.) Every step runs under
 # `timeout` within BUDGET seconds; the data are written shard by shard and training stops at its time
 # limit and exports, so the call always brings back what it made. A dry run here, on the CPU:
-#   OUT=/tmp/gt GGUF=<the .gguf> SHARED=../shared/data PROMPTS=12 NEW=16 BATCH=4 HELDOUT=4 TRAIN_BATCH=2 \
+#   OUT=runs/gpu_e3_dry GGUF=<the .gguf> SHARED=../shared/data PROMPTS=12 NEW=16 BATCH=4 HELDOUT=4 TRAIN_BATCH=2 \
 #     TRAIN_MIN=0.5 BUDGET=900 bash scripts/gpu_train_eagle3.sh b
+#
+# Time: call b is sized to BUDGET=560 s (one call of under 10 minutes on one H200): 45% of
+# what is left for the greedy data, 25% of the rest for the temperature-1 data, then training for all but
+# 90 s of the rest (left for the export). Call a takes seconds. Only dry-run on a CPU so far; no GPU has run it.
 set -u
 PHASE=${1:?usage: gpu_train_eagle3.sh prepare|a|b}
 if [ "$PHASE" = prepare ]; then

@@ -2,9 +2,13 @@
 the target's final norm and LM head applied to the hidden state entering layer i, on the assistant
 positions of a data set's examples, and how often its top-1 equals the target's own next token.
 An EAGLE-3 head reads three such streams (`eagle_aux_hidden_state_layer_ids`); an EAGLE-1/2 head
-reads the final one, where the answer is 1.0 by definition.
+reads the final one, where the answer is 1.0 by definition. Reproduces the "What it reads" figures
+of docs/performance.md (draft-head acceptance) and the EAGLE-3 head's model card.
 
-    python scripts/logit_lens.py --data runs/data/smollm2 --shard -1 --examples 16 --layers 2,15,27,29
+    python scripts/logit_lens.py --data runs/data/smollm2 --shard -1 --examples 16 --layers 2,15,24,26,27,28,29
+
+--data is a train.data output directory (shard_*.npz). Time: not timed (one float32 target forward
+per example, one compile per 128-token length bucket).
 """
 from __future__ import annotations
 

@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# EAGLE-3 head vs EAGLE-2 head (issue 23): acceptance with the reference tree 5/10/60 and CPU speed.
-# Each step writes under runs/bench/<version>/; rerunning skips steps whose results exist.
-# usage: bash scripts/measure_eagle3.sh <eagle3 head dir> [version] [mt-bench limit]   (Q=16: HumanEval / GSM8K limit)
+# What: an EAGLE-3 head against the shipped EAGLE-2 head on the CPU: acceptance (tau) with the
+# reference tree 5/10/60 at batch 16 on the first MT-bench first turns (T = 0 with plain decoding
+# beside it: greedy identity; T = 1, seed 0), HumanEval and GSM8K (T = 0), then batch-1 speed with each
+# head's CPU tree, interleaved. Reproduces the "First 16 MT-bench first turns" figures of
+# docs/performance.md and the EAGLE-3 head's model card; the check for a head from gpu_train_eagle3.sh.
+#
+#   bash scripts/measure_eagle3.sh <eagle3 head dir> [version] [mt-bench limit]   (Q=16: HumanEval / GSM8K limit)
+#
+# Each step writes under runs/bench/<version>/ (default e3); rerunning skips steps whose results exist,
+# and an interrupted tau step continues (--resume). Time: not timed as a whole (each step prints its
+# seconds). The documented runs pass a limit of 16; at the default, 80, the MT-bench tau steps alone
+# are the work of scripts/measure_eagle3_mt80.sh, 80-93 min per temperature on 2 cores.
 set -u
 cd "$(dirname "$0")/.."
 E3=${1:?usage: measure_eagle3.sh <eagle3 head dir> [version] [limit]}

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Issue 23's headline comparison: the EAGLE-3 head against the EAGLE-2 head on all 80 MT-bench first
-# turns, reference tree 5/10/60, T = 0 (with plain decoding: greedy identity) and T = 1 (seed 0), batch 16.
+# What: the EAGLE-3 head against the EAGLE-2 head on all 80 MT-bench first turns, reference tree
+# 5/10/60, batch 16, T = 0 (with plain decoding: greedy identity) and T = 1 (seed 0). Reproduces the
+# "All 80 MT-bench first turns" figures of docs/performance.md and the EAGLE-3 head's model card.
 # T = 0 first: both heads advance together, 16 questions at a time (--resume with a growing --limit),
 # so wherever it stops they cover the same questions; then T = 1 the same way. Rerun to continue.
-# usage: bash scripts/measure_eagle3_mt80.sh [eagle3 head] [version]     (~3-4 h on 2 cores)
-#        TEMPS=1 bash scripts/measure_eagle3_mt80.sh                      (one temperature only)
+#
+#   bash scripts/measure_eagle3_mt80.sh [eagle3 head] [version]    # default: the shipped EAGLE-3 head, runs/bench/e3all
+#   TEMPS=1 bash scripts/measure_eagle3_mt80.sh                     # one temperature only
+#
+# Time: 80-93 min per temperature on a 2-core CPU, 3-4 h for both.
 set -u
 cd "$(dirname "$0")/.."
 E3=${1:-eagle2_jax/heads/smollm2-135m-instruct-eagle3}

@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# Measurements for the shipped SmolLM2-135M-Instruct head (issue notes / model card / README).
-# Each step writes under runs/bench/<version>/; rerunning skips steps whose results exist.
-# usage: bash scripts/measure_smollm2.sh [version]   (steps run in order of importance)
+# What: the CPU measurements of the shipped SmolLM2-135M-Instruct head: acceptance (tau) with the
+# reference tree on MT-bench, HumanEval, GSM8K and Alpaca at T = 0 and 1; batch-1 speed with the head's
+# CPU tree against plain decoding and transformers (first 20 and all 80 MT-bench first turns, T = 0
+# and 1); the round-cost curves (infer.roundcost); the few-row matmul kernel
+# (scripts/bench_few_row_matmul.py); batch 4 and 16. Reproduces "Measured on a 2-core CPU:
+# SmolLM2-135M-Instruct" in docs/performance.md and the head's MEASUREMENTS.md.
+#
+#   bash scripts/measure_smollm2.sh [version]   # results under runs/bench/<version>/ (default smollm2)
+#
+# Steps run in order of importance; each writes under runs/bench/<version>/ and rerunning skips steps
+# whose results exist (the tau steps, timing-independent, continue with --resume). Needs the shared
+# eval data in ../shared/data/eval; --draft is left at auto (the shipped head).
+#
+# Time: not timed as a whole (each step prints its seconds).
 set -u
 cd "$(dirname "$0")/.."
-H=eagle2_jax/heads/smollm2-135m-instruct
 EVAL=../shared/data/eval
 source scripts/run_step.sh  # run NAME CMD...
-V=${1:-v7}  # results go to runs/bench/$V (v2: head of 240d81e, v3: rollout-trained head, v4: same head after 30cee77,
-            # v6: same head with the few-row CPU matmul kernel, v7: the run-3 head, twice the data,
-            # v8/v9: the run-3 head on a second, AVX2-only machine; v9 ran speed_mt_bench80, batch4, batch16
-            # and speed_mt_bench_t1 only; v11: packed Q4_1/Q8_0 target weights, speed_mt_bench80, batch4,
-            # batch16 and speed_mt_bench_t1 only; v12: one-uniform sampling, speed_mt_bench_t1 and
-            # speed_mt_bench80_t1 (run by hand as runs/bench/v12/t1_first10, t1_all80))
+V=${1:-smollm2}
 B=runs/bench/$V
 # acceptance (timing-independent, so --resume continues an interrupted step): reference tree; all 80 MT-bench first turns first
 run $V/tau_mt_bench_t0 python -m infer.bench --questions $EVAL/mt_bench.jsonl --limit 80 --methods eagle --batch 16 \

@@ -1,4 +1,6 @@
-"""Where a round's time goes: per-XLA-op totals of one EAGLE-2 round against one plain step.
+"""Where a round's time goes on the CPU: per-XLA-op totals of one EAGLE-2 round against one plain
+step, SmolLM2-135M-Instruct with the shipped head. Behind the op-by-op CPU figures of
+docs/performance.md ("CPU backend") and the head's MEASUREMENTS.md.
 
     PYTHONPATH=. python scripts/profile_round.py [--batch 1] [--total-tokens 2] [--depth 4] [--top-k 4]
         [--steps 10] [--timeline] [--timeline-min-ms 0.2] [--timeline-until-ms INF] [--by-shape]
@@ -9,8 +11,11 @@ total per op kind (XLA threads only) and the top events (ms per step). Op names 
 fusion/thunk names; `ffi_call` is the few-row kernel on the CPU backend. --timeline lists, in start
 order, the events of the slowest traced execution (for finding gaps and slow layers). --by-shape
 groups the kernel calls by operand shapes (x rows x K, the weight with its dtype, `q4` / `q8`: packed
-weights, `T`: a tied LM head) and lists
-the costliest other ops with their HLO text, read from the compiled program.
+weights, `T`: a tied LM head) and lists the costliest other ops with their HLO text, read from the
+compiled program.
+
+Time: not timed (the model load, two compiles, 8 untraced rounds, then --steps traced runs of each
+program; a plain step is ~30 ms on a 2-core CPU).
 """
 from __future__ import annotations
 

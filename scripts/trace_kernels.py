@@ -1,18 +1,22 @@
 """Kernel times of a plain decoding step and of an EAGLE-2 round on the device at hand, from the JAX
 profiler: what `infer.analytic.GPU_KERNEL_FLOOR_S` (2.5 us a kernel, fitted to one run) stands for,
-measured (scripts/gpu_bench.sh a runs it on a lent GPU).
+measured. scripts/gpu_bench.sh (call a) runs it on a lent GPU; docs/performance.md ("The round at 8B
+scale") says what it is for.
 
-    python scripts/trace_kernels.py --model random:llama-3.1-8b --dtype bfloat16 --total-tokens 60 --out DIR
+    PYTHONPATH=. python scripts/trace_kernels.py --model random:llama-3.1-8b --dtype bfloat16 --total-tokens 60 --out DIR
 
-Each program (the step as `vanilla.STREAM_STEP`, the round as `infer.roundcost`'s round program, both
-donating their state as generation does) runs twice untraced, then --trips times under
-`jax.profiler.trace(DIR/<program>)`, each trip timed on the host. DIR/kernels.json gets, per
+Each program (the step as `vanilla.STREAM_STEP`, the round as `infer.phases.ROUND`, the round program
+infer.roundcost times, both donating their state as generation does) runs twice untraced, then --trips
+times under `jax.profiler.trace(DIR/<program>)`, each trip timed on the host. DIR/kernels.json gets, per
 program: the wall time per trip, the device events per trip (on a GPU the kernels and copies of the
 device planes; elsewhere the XLA ops of the host threads, so a CPU dry run exercises the same code)
 with their summed and median durations, how many last under 5 us and what they sum to, and the idle
 time between them ((wall - busy) / events). The raw traces stay under DIR for a closer look. Compare
 events per trip with the compiled kernel count (`infer.roundcost --analytic --compile-for h200`:
 ~624 a step, ~734 a round at batch 1): far fewer means the profiler saw CUDA graphs, not their kernels.
+
+Time: not timed on its own; scripts/gpu_bench.sh gives it at most 90 s at the 8B shape on a GPU,
+most of it the two compiles unless the compile cache already holds them.
 """
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ def main(argv=None):
     from eagle2_jax.autotune import fresh_copy
     from eagle2_jax.config import SamplingConfig, TreeConfig
     from eagle2_jax.sampling import SamplingParams
-    from infer.roundcost import _parts
+    from infer import phases
 
     target = e2.load_target(a.model, dtype=a.dtype)
     draft = e2.load_draft("random", target)  # (a 32,000-token draft vocabulary for larger vocabularies, as roundcost's)
@@ -79,12 +83,11 @@ def main(argv=None):
     prompts = [rng.integers(3, V, a.prompt_len).tolist() for _ in range(a.batch)]
     tree, s = TreeConfig(a.depth, a.top_k, a.total_tokens), SamplingConfig()
     greedy = SamplingParams.of(s)
-    round_ = _parts()[3]
     tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
     programs = {
         "step": (lambda st: vanilla.STREAM_STEP(tp, st, greedy, module=tm),
                  vanilla.start(target, prompts, max_new_tokens=a.max_new_tokens, sampling=s)[0]),
-        "round": (lambda st: round_(tp, dp, st, tm=tm, dm=dm, tree=tree),
+        "round": (lambda st: phases.ROUND(tp, dp, st, greedy, tm=tm, dm=dm, tree=tree),
                   eagle.start(target, draft, prompts, max_new_tokens=a.max_new_tokens, tree=tree, sampling=s)[0]),
     }
     os.makedirs(a.out, exist_ok=True)

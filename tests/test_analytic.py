@@ -1,10 +1,37 @@
-"""The analytic round-cost report: pre-optimisation bytes / FLOPs / kernels with abstract params."""
+"""The analytic round-cost report (infer.analytic), checked against facts known independently of its
+code: programs whose bytes and kernels are known by construction (an elementwise add, a matmul, a
+row slice, a loop of known trips) compiled by XLA:CPU, hand-written HLO with hand-counted answers,
+XLA's own thunk sequences and flag names, and the weights a decoding step must read."""
+import glob
 import json
 import re
+import shutil
+import tempfile
+import warnings
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+from eagle2_jax import eagle, vanilla
+from eagle2_jax.programs import GPU_GRAPHS, XLA_GRAPH_COMMANDS, gpu_graph_options
 from helpers import tiny_config
+from infer import roundcost
+from infer.analytic import (analyze, breakdown, count_kernels, format_report, hbm_traffic, loop_launches, placement,
+                            report as report_module)
+
+F32 = 4  # bytes
+
+
+def _config(layers=2):
+    return tiny_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers)
+
+
+def _matmul_weights(c, layers=None):
+    """Elements of the weights every decoding step multiplies by: each layer's projections and the LM head."""
+    layer = (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+             + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
+    return (c.num_hidden_layers if layers is None else layers) * layer + c.vocab_size * c.hidden_size, layer
 
 
 @pytest.fixture(scope="module")
@@ -13,62 +40,145 @@ def shape(tmp_path_factory):
 
     def write(layers):
         p = d / f"config{layers}.json"
-        p.write_text(json.dumps(tiny_config(vocab_size=512, hidden_size=64, intermediate_size=128,
-                                            num_hidden_layers=layers).to_hf_dict()))
+        p.write_text(json.dumps(_config(layers).to_hf_dict()))
         return f"random:{p}"
     return write
 
 
-def test_analytic_report_counts_every_layer_and_writes_json(shape, tmp_path):
-    from infer import roundcost
-    out = tmp_path / "r.json"
+# ---- the report end to end, on a tiny random model ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def report(shape, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "r.json"
     roundcost.main(["--analytic", "--model", shape(2), "--dtype", "float32", "--batch", "1", "--depth", "2",
                     "--top-k", "3", "--total-tokens", "6", "--prompt-len", "8", "--max-new-tokens", "16",
                     "--draft-vocab", "128", "--tau", "2.5", "--json", str(out)])
-    r = json.loads(out.read_text())
-    assert set(r) >= {"step", "round", "roofline"}
+    return json.loads(out.read_text())
+
+
+def test_analytic_report_runs_end_to_end_and_writes_json(report):
+    r = report
+    assert set(r) >= {"step", "round", "roofline", "ratios", "meta"}
     assert set(r["step"]) == {"bytes", "flops", "kernels", "bytes_by_kind"}
-    for c in (r["step"], r["round"], *r["round"]["parts"].values()):  # the breakdown accounts for the bytes
-        assert abs(sum(c["bytes_by_kind"].values()) - c["bytes"]) <= 0.05 * c["bytes"], c
-    assert r["ratios"]["matmul_bytes"] < r["ratios"]["bytes"]
     assert set(r["round"]["parts"]) == {"draft", "verify", "accept"}
-    assert r["roofline"]["accelerator"] == "h200" and r["roofline"]["tau"] == 2.5
-    assert r["round"]["bytes"] > r["step"]["bytes"] > 0 and r["round"]["kernels"] > r["step"]["kernels"] > 0
-    # the verify pass reads the target's weights once, as a step does (plus the tree's activations)
-    assert r["round"]["parts"]["verify"]["bytes"] >= r["step"]["bytes"]
-    assert r["round"]["parts"]["verify"]["flops"] > 3 * r["step"]["flops"]  # 6 tree rows against 1
-    want = r["roofline"]["tau"] * r["roofline"]["step_ms"] / r["roofline"]["round_ms"]
-    assert abs(r["roofline"]["speedup"] - want) < 1e-9
+    for c in (r["step"], r["round"], *r["round"]["parts"].values()):  # the breakdown accounts for XLA's own count
+        assert abs(sum(c["bytes_by_kind"].values()) - c["bytes"]) <= 0.05 * c["bytes"], c
+    w, _ = _matmul_weights(_config())
+    # a step multiplies every weight once (2 FLOPs a weight) and reads it (float32: 4 bytes)
+    assert r["step"]["flops"] >= 2 * w and r["step"]["bytes"] >= F32 * w
+    assert r["step"]["bytes_by_kind"]["matmul"] >= F32 * w
+    # verification runs the tree's 6 tokens through the same weights
+    verify = r["round"]["parts"]["verify"]
+    assert verify["flops"] >= 6 * 2 * w and verify["bytes"] >= F32 * w
+    assert r["round"]["kernels"] > r["step"]["kernels"] > 0
 
 
 def test_analytic_bytes_grow_with_layers(shape):
     """A while loop's body is counted once by XLA: the analysis unrolls the layers, so every layer
-    adds the same bytes (at least its weights: they are counted once, not sliced out of a stack)."""
-    from infer.analytic import analyze
+    adds the same bytes, at least its weights (each counted once, not sliced out of a stack)."""
     b = {L: analyze(shape(L), "float32", 1, 8, 16, 2, 3, 6, 0, 2.0, "h200", kernels=False)["step"]["bytes"]
          for L in (2, 4, 6)}
-    c = tiny_config(vocab_size=512, hidden_size=64, intermediate_size=128)
-    layer_weights = 4 * (c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-                         + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size)
-    assert b[6] - b[4] == b[4] - b[2] >= 2 * layer_weights, b
+    _, layer = _matmul_weights(_config())
+    assert b[6] - b[4] == b[4] - b[2] >= F32 * layer, b
 
 
-def test_breakdown_counts_operands_and_results_by_kind():
-    import jax
-    import jax.numpy as jnp
-    from infer.analytic import breakdown
+def test_compiled_rows_on_cpu_and_their_labels(shape, monkeypatch):
+    """The compiled path (normally XLA's GPU compiler, deviceless) run on XLA:CPU's compile of the
+    same programs: the fused programs move less than the unfused count, a trip of the decode loop
+    still reads every weight (weights are inputs: no L2 rule keeps them), and the text says which
+    figure is the compiled bound and which are estimates."""
+    monkeypatch.setattr(report_module, "placement", lambda accelerator: (lambda tree: tree))  # compile here
+    r = analyze(shape(2), "float32", 1, 8, 16, 2, 3, 6, 0, 2.5, "h200", kernels=False, compile_for="h200")
+    w, _ = _matmul_weights(_config())
+    step, rnd, verify = r["step"]["compiled"], r["round"]["compiled"], r["round"]["parts"]["verify"]
+    assert 0 < verify["compiled"]["bytes"] < verify["bytes"]
+    assert step["bytes"] >= F32 * w and step["bytes_l2"] >= F32 * w
+    assert rnd["kernels"] > step["kernels"] > 0
+    text = format_report(r)
+    assert "HBM bytes, compiled bound (all in HBM)" in text and "compiled bound (all in HBM): round / step" in text
+    assert text.count("estimate (L2 rule: results up to 25 MiB stay in L2)") == 2  # the column and the roofline
+    assert "estimate (2.5 us kernel floor fitted to one small-model run" in text
 
-    def f(x, w, table, ids):
-        y = jnp.maximum(x @ w, 0.0)  # matmul, then elementwise
-        return y.sum(axis=1), jnp.take(table, ids, axis=0)  # reduce; a gather reads its rows only
-    args = (jnp.zeros((8, 32)), jnp.zeros((32, 16)), jnp.zeros((1000, 16)), jnp.zeros((3,), jnp.int32))
-    lo = jax.jit(f).lower(*args)
-    k = breakdown(lo.as_text(dialect="hlo"))
-    assert k["matmul"] == 4 * (8 * 32 + 32 * 16 + 8 * 16)
-    assert k["reduce"] >= 4 * (8 * 16 + 8) and k["elementwise"] >= 4 * 3 * 8 * 16
-    assert k["data movement"] < 4 * 1000 * 16  # not the whole table
-    assert abs(sum(k.values()) - lo.cost_analysis()["bytes accessed"]) <= 0.1 * sum(k.values())
 
+# ---- programs whose bytes and kernels are known by construction (XLA:CPU) -------------------------
+
+def _compiled(f, *args, donate=()):
+    lo = jax.jit(f, donate_argnums=donate).lower(*args)
+    return lo, lo.compile().as_text()
+
+
+def test_an_elementwise_add_reads_two_arrays_and_writes_one():
+    x = jnp.zeros(1024, jnp.float32)  # 4096 bytes
+    lo, text = _compiled(lambda a, b: a + b, x, x)
+    assert count_kernels(text) == 1
+    assert hbm_traffic(text) == {"bytes": 2 * 4096 + 4096, "kernels": 1}
+    assert breakdown(lo.as_text(dialect="hlo")) == {"matmul": 0, "kernel": 0, "reduce": 0, "data movement": 0,
+                                                    "elementwise": 3 * 4096}
+
+
+def test_a_matmul_reads_both_operands_and_writes_the_product():
+    M, K, N = 8, 32, 16
+    lo, text = _compiled(lambda a, b: a @ b, jnp.zeros((M, K)), jnp.zeros((K, N)))
+    want = (M * K + K * N) * F32 + M * N * F32
+    assert hbm_traffic(text) == {"bytes": want, "kernels": 1}
+    assert breakdown(lo.as_text(dialect="hlo"))["matmul"] == want
+
+
+def test_two_independent_matmuls_are_two_kernels():
+    lo, text = _compiled(lambda a, b, c, d: (a @ b, c @ d), jnp.zeros((8, 32)), jnp.zeros((32, 16)),
+                         jnp.zeros((4, 8)), jnp.zeros((8, 2)))
+    assert count_kernels(text) == 2
+    assert hbm_traffic(text) == {"bytes": F32 * ((8 * 32 + 32 * 16 + 8 * 16) + (4 * 8 + 8 * 2 + 4 * 2)), "kernels": 2}
+
+
+def test_a_reduction_reads_its_input_and_writes_one_value_a_row():
+    lo, text = _compiled(lambda x: x.sum(axis=1), jnp.zeros((8, 16)))
+    want = F32 * (8 * 16 + 1 + 8)  # the rows, the initial 0.0, the sums
+    assert hbm_traffic(text) == {"bytes": want, "kernels": 1}
+    assert breakdown(lo.as_text(dialect="hlo"))["reduce"] == want
+
+
+def test_a_row_read_or_written_in_place_costs_the_row_not_the_table():
+    """A slice, a gather and an in-place update (a KV cache write: the buffer donated) of a
+    f32[1000,16] table move the rows, and the index, never the 64 KB table."""
+    table, row, index = jnp.zeros((1000, 16)), 16 * F32, 4
+    _, text = _compiled(lambda t, i: jax.lax.dynamic_slice_in_dim(t, i, 1), table, jnp.int32(3))
+    assert hbm_traffic(text) == {"bytes": row + index + row, "kernels": 1}
+    _, text = _compiled(lambda t, ids: t[ids], table, jnp.zeros(3, jnp.int32))
+    assert hbm_traffic(text) == {"bytes": 3 * row + 3 * index + 3 * row, "kernels": 1}
+    _, text = _compiled(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0)), table, jnp.zeros((1, 16)),
+                        jnp.int32(3), donate=(0,))
+    assert hbm_traffic(text) == {"bytes": row + index + row, "kernels": 1}
+
+
+def test_a_loops_trips_multiply_its_body():
+    """fori_loop(0, n): each trip runs the body (sin(x) * 2 over 4 KB: read and written; the counter
+    i + 1: two scalars read, one written) once; the HLO text holds the body once, whatever n."""
+    x = jnp.zeros(1024)
+
+    def trips(n):
+        return lambda a: jax.lax.fori_loop(0, n, lambda i, v: jnp.sin(v) * 2.0, a)
+    loop = {n: _compiled(trips(n), x)[1] for n in (3, 7)}
+    r = {n: hbm_traffic(text) for n, text in loop.items()}
+    assert r[7]["kernels"] - r[3]["kernels"] == 4 * 2
+    assert r[7]["bytes"] - r[3]["bytes"] == 4 * ((4096 + 4096) + (4 + 4 + 4))
+    assert count_kernels(loop[7]) == count_kernels(loop[3])
+    one_trip = hbm_traffic(loop[7], loop=True)
+    assert one_trip == {"bytes": (4096 + 4096) + (4 + 4 + 4), "kernels": 2}
+
+
+def test_a_fused_program_reads_the_weights_once():
+
+    def f(x, w1, w2):
+        return jnp.tanh(jnp.maximum(x @ w1, 0.0) * 2.0 + 1.0) @ w2  # elementwise work fused between two dots
+    args = (jnp.zeros((4, 512)), jnp.zeros((512, 1024)), jnp.zeros((1024, 512)))
+    lo, text = _compiled(f, *args)
+    weights = 2 * F32 * 512 * 1024
+    # the weights once, and the small activations (at most a few passes over them)
+    assert weights <= hbm_traffic(text)["bytes"] <= weights + 4 * F32 * 4 * (512 + 1024)
+
+
+# ---- hand-written compiled HLO, counted by hand ---------------------------------------------------
 
 # a compiled (fused, memory-space-assigned) module in the form XLA's TPU compiler prints; sizes:
 # f32[4,256,256] 1 MiB stacked weights, f32[256,256] 256 KiB one layer, f32[8,256] 8 KiB rows
@@ -122,97 +232,71 @@ ENTRY %main (a: f32[4,256,256], b: f32[8,256], c: f32[64,256], i: s32[], v: f32[
 }
 """
 
+ROWS, LAYER = 8 * 256 * F32, 256 * 256 * F32  # f32[8,256] rows, f32[256,256] one layer's weights
+COMPILED_BYTES = (LAYER + 4 + ROWS + ROWS  # the fusion: one layer's slice of the stack (not all 4), index, rows, result
+                  + LAYER  # the copy into on-chip memory: read once; the dot then reads it there for free
+                  + ROWS + ROWS  # the dot: its rows in, its result out (the weights are on chip)
+                  + 3 * (ROWS + ROWS)  # the loop body's kernel, 3 trips
+                  + ROWS + 4 + ROWS)  # the in-place update: update (and index) read and written, not the 64-row buffer
+
 
 def test_hbm_traffic_charges_fused_kernels_by_what_they_move():
-    from infer.analytic import hbm_traffic
-    rows, layer = 8 * 256 * 4, 256 * 256 * 4
     r = hbm_traffic(_COMPILED, top=10)
-    want = (layer + 4 + rows + rows  # the fusion: one layer's slice of the stack (not all 4), the index, the rows, its result
-            + layer  # the copy into on-chip memory: read once; the dot then reads it there for free
-            + rows + rows  # the dot: its rows in, its result out (the weights are on chip)
-            + 3 * (rows + rows)  # the loop body's kernel, 3 trips
-            + rows + 4 + rows)  # the in-place update: the update (and index) read and written, not the 64-row buffer
-    assert r["bytes"] == want, (r["bytes"], want, r["top"])
+    assert r["bytes"] == COMPILED_BYTES, (r["bytes"], COMPILED_BYTES, r["top"])
     assert r["kernels"] == 1 + 1 + 3 + 1  # fusion, dot, 3 exponentials, update (the copy is a DMA beside them)
-    assert max(r["top"])[0] == layer + 4 + 2 * rows and max(r["top"])[1] == "f"
+    assert max(r["top"])[0] == LAYER + 4 + 2 * ROWS and max(r["top"])[1] == "f"
     one_trip = hbm_traffic(_COMPILED, loop=True)  # a decode loop's step: the body once, nothing around it
-    assert one_trip == {"bytes": rows + rows, "kernels": 1}
+    assert one_trip == {"bytes": ROWS + ROWS, "kernels": 1}
 
 
 def test_hbm_traffic_times_each_kernel_with_a_floor():
     """With a bandwidth, each kernel costs its bytes at that bandwidth but at least the floor; the
     asynchronous copy costs its bytes (no floor: a DMA); loop trips multiply."""
-    from infer.analytic import hbm_traffic
-    rows, layer = 8 * 256 * 4, 256 * 256 * 4
     bw, floor = 1e9, 20e-6  # the slicing fusion (278 KB: 279 us) is above the floor, the 16 KB kernels below
     r = hbm_traffic(_COMPILED, bytes_per_s=bw, kernel_floor_s=floor)
-    want = (layer + 4 + 2 * rows) / bw + layer / bw + floor + 3 * floor + floor
-    assert r["seconds"] == pytest.approx(want, rel=1e-12)
-    assert hbm_traffic(_COMPILED, bytes_per_s=bw)["seconds"] == pytest.approx(r["bytes"] / bw, rel=1e-12)
+    assert r["seconds"] == pytest.approx((LAYER + 4 + 2 * ROWS) / bw + LAYER / bw + floor + 3 * floor + floor,
+                                         rel=1e-12)
+    assert hbm_traffic(_COMPILED, bytes_per_s=bw)["seconds"] == pytest.approx(COMPILED_BYTES / bw, rel=1e-12)
     assert hbm_traffic(_COMPILED, loop=True, bytes_per_s=bw, kernel_floor_s=floor)["seconds"] == pytest.approx(floor)
     assert "seconds" not in hbm_traffic(_COMPILED)
 
 
-def test_hbm_traffic_of_a_compiled_program_reads_the_weights_once():
-    import jax
-    import jax.numpy as jnp
-    from infer.analytic import hbm_traffic
-
-    def f(x, w1, w2):
-        return jnp.tanh(jnp.maximum(x @ w1, 0.0) * 2.0 + 1.0) @ w2  # elementwise work fused between two dots
-    args = (jnp.zeros((4, 512)), jnp.zeros((512, 1024)), jnp.zeros((1024, 512)))
-    lo = jax.jit(f).lower(*args)
-    r = hbm_traffic(lo.compile().as_text())
-    weights = 2 * 4 * 512 * 1024
-    # the weights once, and little else: far less than the unfused count of every op's operands
-    assert weights <= r["bytes"] <= weights + 4 * 4 * (512 + 1024) * 4, r
-    assert r["bytes"] < lo.cost_analysis()["bytes accessed"]
-
+# ---- compiled for a TPU or a GPU without one (deviceless; where libtpu / the CUDA plugin is installed)
 
 def test_compile_for_tpu_without_a_tpu(shape):
     """Where libtpu is installed (jax[tpu]; run with JAX_PLATFORMS=cpu), the report compiles the
     programs with XLA's TPU compiler here and adds the fused programs' HBM bytes and kernels."""
     pytest.importorskip("libtpu")
-    import jax
     if jax.default_backend() != "cpu":
         pytest.skip("the deviceless compile is checked where no TPU is attached")
-    from infer.analytic import analyze, format_report
     r = analyze(shape(2), "bfloat16", 1, 8, 16, 2, 3, 6, 128, 2.5, "tpu-v6e", kernels=False, compile_for="tpu-v6e")
     step, rnd, verify = r["step"]["compiled"], r["round"]["compiled"], r["round"]["parts"]["verify"]
     assert rnd["kernels"] > step["kernels"] > 0  # (at this size the loops keep everything on chip: bytes ~0)
     assert 0 < verify["compiled"]["bytes"] < verify["bytes"]  # fused: below the count of every op's operands
-    assert r["compiled"]["for"] == "tpu-v6e" and abs(r["compiled"]["bytes"] - rnd["bytes"] / step["bytes"]) < 1e-9
-    assert "compiled by XLA for Google TPU v6e" in format_report(r)
+    text = format_report(r)
+    assert "compiled by XLA for Google TPU v6e" in text and "compiled bound (all in HBM)" in text
+    assert "estimate" not in text  # no L2 rule or kernel floor for a TPU
 
 
+@pytest.mark.slow  # two full deviceless GPU compiles of every program
 def test_compile_for_a_gpu_without_one(shape):
     """Where the CUDA plugin is installed (jax-cuda13-plugin and -pjrt matching jax, ptxas on PATH;
     run with JAX_PLATFORMS=cpu), the report compiles the programs with XLA's GPU compiler for an
-    H200 described by its target config, and adds the fused programs' HBM bytes and kernels."""
+    H200 described by its target config, and adds the fused programs' HBM bytes and kernels, and
+    what the host launches per trip under each CUDA-graph mode."""
     pytest.importorskip("jax_plugins.xla_cuda13")
-    import shutil
-    import jax
     if shutil.which("ptxas") is None:
         pytest.skip("no ptxas (a CUDA toolkit) on PATH")
     if jax.default_backend() != "cpu":
         pytest.skip("the deviceless compile is checked where no GPU is attached")
-    from infer.analytic import analyze, format_report
     r = analyze(shape(2), "bfloat16", 1, 8, 16, 2, 3, 6, 128, 2.5, "h200", kernels=False, compile_for="h200")
     step, rnd, verify = r["step"]["compiled"], r["round"]["compiled"], r["round"]["parts"]["verify"]
     assert rnd["kernels"] > step["kernels"] > 0 and rnd["bytes"] > step["bytes"] > 0
     assert 0 < verify["compiled"]["bytes"] < verify["bytes"]  # fused: below the count of every op's operands
-    assert r["compiled"]["for"] == "h200" and abs(r["compiled"]["bytes"] - rnd["bytes"] / step["bytes"]) < 1e-9
-    for c in (step, rnd, verify["compiled"]):  # the L2 serves some reads: never more than all of them in HBM
-        assert 0 < c["bytes_l2"] <= c["bytes"]
-    assert abs(r["compiled"]["bytes_l2"] - rnd["bytes_l2"] / step["bytes_l2"]) < 1e-9 and r["compiled"]["speedup_l2"] > 0
-    # every kernel at least the floor: never less than that many floors, nor than the L2 bytes at the bandwidth
-    from infer.analytic import GPU_KERNEL_FLOOR_S, GPU_TARGETS
-    for c in (step, rnd):
-        assert c["seconds_floor"] >= max(c["kernels"] * GPU_KERNEL_FLOOR_S, c["bytes_l2"] / GPU_TARGETS["h200"]["bandwidth"])
-    c = r["compiled"]
-    assert c["speedup_floor"] == pytest.approx(2.5 * c["step_ms_floor"] / c["round_ms_floor"])
     text = format_report(r)
-    assert "compiled by XLA for NVIDIA H200" in text and "kept in L2" in text and "at least 2.5 us" in text
+    assert "compiled by XLA for NVIDIA H200" in text and "compiled bound (all in HBM)" in text
+    assert "estimate (L2 rule: results up to 25 MiB stay in L2)" in text
+    assert "estimate (2.5 us kernel floor fitted to one small-model run" in text
     # CUDA graphs, XLA's default: each trip's body one graph, the host waits on the condition every trip
     for h in (step["host"], rnd["host"]):
         assert not h["in_graph"] and h["graphs"] >= 1 and h["syncs"] == 1 and h["kernels"] > 0
@@ -227,22 +311,18 @@ def test_compile_for_a_gpu_without_one(shape):
 
 def test_loop_graph_commands_are_xlas_default_plus_while(tmp_path):
     """`loop` mode replaces XLA's list of graph command types (options cannot add to it): the copy in
-    defaults must stay XLA's own default, read here from the options XLA's GPU compiler reports."""
+    eagle2_jax.programs must stay XLA's own default, read here from the options XLA's GPU compiler reports."""
     pytest.importorskip("jax_plugins.xla_cuda13")
-    import glob
-    import shutil
-    import jax
-    import jax.numpy as jnp
     if shutil.which("ptxas") is None or jax.default_backend() != "cpu":
         pytest.skip("needs ptxas and the deviceless compile (JAX_PLATFORMS=cpu)")
-    from eagle2_jax.defaults import XLA_GRAPH_COMMANDS
-    from infer.analytic import placement
     x = placement("h200")(jnp.zeros((8, 8), jnp.float32))
     jax.jit(lambda a: a * 2).lower(x).compile(compiler_options={"xla_dump_to": str(tmp_path)})
     text = open(glob.glob(str(tmp_path / "*jit__lambda.config.pbtxt"))[0]).read()
     default = set(re.findall(r"xla_gpu_enable_command_buffer: (\w+)", text))
     assert default == set(XLA_GRAPH_COMMANDS.split(","))
 
+
+# ---- CUDA graphs -------------------------------------------------------------------------------
 
 # XLA's thunk sequences as its dump writes them (trimmed): a decode loop whose body is one graph (XLA's
 # default), the whole loop inside a graph (WHILE commands on), and no graphs at all
@@ -278,7 +358,6 @@ condition:
 
 
 def test_loop_launches_reads_what_the_host_does_per_trip():
-    from infer.analytic import loop_launches
     # the condition kernel and the body's graph each trip, then the wait on the copied condition
     assert loop_launches(_BODY_GRAPH) == dict(in_graph=False, launches=2, graphs=1, syncs=1, kernels=3)
     assert loop_launches(_LOOP_GRAPH) == dict(in_graph=True, launches=0, graphs=0, syncs=0, kernels=3)
@@ -286,20 +365,37 @@ def test_loop_launches_reads_what_the_host_does_per_trip():
     assert loop_launches(_NO_GRAPH.split("003:")[0]) is None  # no loop
 
 
-def test_decode_loops_take_the_cuda_graph_mode_on_gpu(monkeypatch):
-    from eagle2_jax import eagle, vanilla
-    from eagle2_jax.defaults import GPU_GRAPHS_SWITCH, gpu_graph_options
-    assert gpu_graph_options("body") == {}  # XLA's own default
-    assert gpu_graph_options("off") == {"xla_gpu_enable_command_buffer": ""}
-    assert "WHILE" in gpu_graph_options("loop")["xla_gpu_enable_command_buffer"].split(",")
-    monkeypatch.setenv(GPU_GRAPHS_SWITCH, "loop")
-    for p in (eagle.LOOP, vanilla.LOOP):
-        assert p.compiler_options("gpu") == gpu_graph_options("loop") and p.compiler_options("cpu") == {}
-    assert eagle.STREAM_STEP.compiler_options("gpu") == {} and eagle.PREFILL.compiler_options("gpu") == {}
-    monkeypatch.setenv(GPU_GRAPHS_SWITCH, "always")
-    with pytest.raises(ValueError, match="EAGLE2_JAX_GPU_GRAPHS must be one of body, loop, off"):
-        eagle.LOOP.compiler_options("gpu")
+def _debug_options(options: dict) -> str:
+    """The debug options XLA:CPU's compiler parsed from `options` (its dump): XLA checks every option's
+    name and value, whatever the backend it is for."""
+    with tempfile.TemporaryDirectory() as d:
+        jax.jit(lambda a: a * 2).lower(jnp.zeros(4)).compile(compiler_options={**options, "xla_dump_to": d})
+        return open(glob.glob(d + "/*.debug_options")[0]).read()
 
+
+def test_gpu_graph_modes_are_options_xla_reads():
+    """The CUDA-graph modes are XLA flags by XLA's own names: "body" leaves XLA's default alone,
+    "off" empties the list of command types graphed, "loop" adds WHILE (graph of any size); the
+    decode loops (and only they) take the mode on a GPU."""
+    assert gpu_graph_options("body") == {} and gpu_graph_options() == {}
+    assert gpu_graph_options("off") == {"xla_gpu_enable_command_buffer": ""}
+    loop = _debug_options(gpu_graph_options("loop"))
+    assert set(re.findall(r"xla_gpu_enable_command_buffer: (\w+)", loop)) == {*XLA_GRAPH_COMMANDS.split(","), "WHILE"}
+    assert re.search(r"xla_gpu_graph_min_graph_size: 1\b", loop)
+    assert "xla_gpu_enable_command_buffer" not in _debug_options(gpu_graph_options("off"))
+    with pytest.raises(Exception, match="No such compile option"):  # (a misspelt flag would be refused)
+        _debug_options({"xla_gpu_enable_command_buffers": ""})
+    with pytest.raises(ValueError, match="gpu_graphs must be one of"):
+        gpu_graph_options("always")
+    for mode in GPU_GRAPHS:
+        for p in (eagle.LOOP, vanilla.LOOP):
+            assert p.compiler_options("gpu", gpu_graphs=mode) == gpu_graph_options(mode)
+            assert p.compiler_options("cpu", gpu_graphs=mode) == {}
+        assert eagle.STREAM_STEP.compiler_options("gpu", gpu_graphs=mode) == {}
+        assert eagle.PREFILL.compiler_options("gpu", gpu_graphs=mode) == {}
+
+
+# ---- hand-written compiled HLO: TPU copies, library calls, the L2 rule, scatters, loops ----------
 
 _SLICED_COPY = """HloModule m, is_scheduled=true
 
@@ -324,7 +420,6 @@ ENTRY %main (p: f32[8,256]) -> f32[8,256] {
 def test_hbm_traffic_runs_no_kernel_for_a_sliced_copys_bitcast():
     """XLA's TPU compiler splits a copy into on-chip memory into slices (asynchronous DMAs) and joins
     them with a ConcatBitcast custom call, and marks buffers with AllocateBuffer: neither runs a kernel."""
-    from infer.analytic import hbm_traffic
     r = hbm_traffic(_SLICED_COPY)
     assert r["kernels"] == 1  # the fusion
     assert r["bytes"] == 8 * 256 * 4 + 8 * 256 * 4  # the two slices read from HBM, the fusion's result written
@@ -333,7 +428,6 @@ def test_hbm_traffic_runs_no_kernel_for_a_sliced_copys_bitcast():
 def test_hbm_traffic_does_not_charge_a_library_calls_workspace():
     """cuBLAS and cuDNN calls return their scratch workspace beside the result: it is never read
     from or written to HBM as data, so only the operands and the result are charged."""
-    from infer.analytic import hbm_traffic
     text = """HloModule m, is_scheduled=true
 
 ENTRY %main (a: bf16[16,4096], w: bf16[4096,4096]) -> bf16[16,4096] {
@@ -351,7 +445,6 @@ def test_hbm_traffic_keeps_small_intermediates_in_a_gpus_l2():
     """With a GPU's L2 size, a kernel's result that fits half of it and is read back before half the
     L2 has streamed through is read from L2 and never written to HBM; read later, its write and that
     read are charged. Inputs (weights) and the program's output always are."""
-    from infer.analytic import hbm_traffic
 
     def module(between):  # partial sums, then (optionally) a kernel streaming a big weight, then their sum
         mid = "\n  %h = bf16[64,8192]{1,0} fusion(%x, %u), kind=kCustom, calls=%big" if between else ""
@@ -397,7 +490,6 @@ ENTRY %main (x: bf16[64,4096], w: bf16[4096,4096], u: bf16[4096,8192]) -> bf16[6
 
 
 def test_hbm_traffic_charges_an_in_place_scatter_its_updates():
-    from infer.analytic import hbm_traffic
     text = """HloModule m, is_scheduled=true
 
 %add (x: f32[], y: f32[]) -> f32[] {
@@ -457,8 +549,6 @@ ENTRY %main (b: f32[8,256]) -> f32[8,256] {{
 
 def test_hbm_traffic_counts_a_loops_trips_from_its_condition():
     """No known_trip_count (XLA's TPU compiler leaves none): `i < N` or `N > i` from a constant start."""
-    import warnings
-    from infer.analytic import hbm_traffic
     lt = "ROOT %c = pred[] compare(%i, %n), direction=LT"
     gt = "ROOT %c = pred[] compare(%n, %i), direction=GT"
     assert hbm_traffic(_loop_module(0, lt))["kernels"] == 2 * 5  # the add and the exponential, 5 trips
@@ -520,8 +610,6 @@ def test_the_l2_turns_over_by_what_kernels_and_loops_move():
     """A kernel that slices one layer (32 MiB) out of a 2 GiB stack turns the L2 over by the slice
     (read and written: 64 MiB); a loop that streams 128 MiB in between evicts the partial sums
     (their write and read charged)."""
-    import warnings
-    from infer.analytic import hbm_traffic
     L2 = 200 * 2**20  # results of up to 100 MiB may stay, until 100 MiB more have streamed
     x, w, partial, layer = 64 * 4096 * 2, 4096 * 4096 * 2, 8 * 64 * 4096 * 4, 4096 * 4096 * 2
     sliced = _l2_module("%s = bf16[4096,4096]{1,0} fusion(%st, %k), kind=kLoop, calls=%one_layer",

@@ -151,7 +151,7 @@ def test_train_draft_rejects_bad_config_before_loading(tmp_path, capsys, no_mode
     assert "steps must be an integer" in one_line_error(capsys, train_draft.load_config, ["--config", str(cfg)] + base)
     assert not (tmp_path / "o").exists()
     # --steps 0 with --init-from is the evaluation-only run and passes the checks
-    assert train_draft.load_config(["--steps", "0", "--init-from", "some/head"] + base)["steps"] == 0
+    assert train_draft.load_config(["--steps", "0", "--init-from", "some/head"] + base).steps == 0
     (tmp_path / "o" / "checkpoints" / "40").mkdir(parents=True)  # ... but not over a run's checkpoints
     assert "checkpoints" in one_line_error(capsys, train_draft.load_config,
                                            ["--steps", "0", "--init-from", "some/head"] + base)

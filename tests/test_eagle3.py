@@ -10,7 +10,7 @@ import pytest
 
 import eagle2_jax as e2
 from eagle2_jax.cache import init_cache
-from eagle2_jax.checkpoints import CheckpointError
+from eagle2_jax.convert import CheckpointError
 from eagle2_jax.eagle import draft_catch_up
 from eagle2_jax.model import target_apply
 from eagle2_jax.layers import causal_mask

@@ -8,7 +8,7 @@ import pytest
 import eagle2_jax as e2
 from eagle2_jax import layer_list
 from eagle2_jax.layer_list import LayerList, per_layer
-from eagle2_jax.ops import XLA, XLA_CPU
+from eagle2_jax.ops import XLA, XLA_CPU, Ops, xla_for
 from helpers import tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -102,27 +102,21 @@ def test_abstract_stacks_split_with_their_specs():
     assert ll[2].sharding.spec == jax.sharding.PartitionSpec(None, "model")
 
 
-def test_when_per_layer_buffers_are_used(monkeypatch):
-    monkeypatch.delenv(layer_list.SWITCH, raising=False)
-    assert layer_list.wanted("gpu") and not layer_list.wanted("cpu") and not layer_list.wanted("tpu")
-    monkeypatch.setenv(layer_list.SWITCH, "scan")
-    assert not layer_list.wanted("gpu")
-    monkeypatch.setenv(layer_list.SWITCH, "list")
-    assert layer_list.wanted("cpu")
-    monkeypatch.setenv(layer_list.SWITCH, "unrolled")
+def test_the_layer_layout_is_one_setting_of_the_ops():
+    assert xla_for("gpu").layers == "list" and xla_for("cpu").layers == "scan" and xla_for("tpu").layers == "scan"
     with pytest.raises(ValueError, match="must be 'scan' or 'list'"):
-        layer_list.wanted("gpu")
+        Ops(layers="unrolled")
 
 
 def test_load_target_gives_per_layer_buffers_when_asked(monkeypatch, tmp_path):
-    from eagle2_jax.checkpoints import save_hf_dir
+    from eagle2_jax.hf_files import save_hf_dir
     src = save_hf_dir(_xla(e2.init_target(tiny_config(), 0), XLA_CPU), str(tmp_path / "t"))
-    monkeypatch.setenv(layer_list.SWITCH, "list")
     monkeypatch.setenv("EAGLE2_JAX_CPU_KERNELS", "0")  # the plain XLA path (the CPU backend scans stacks itself)
-    t = e2.load_target(src)
-    assert isinstance(t.params["layers"]["mlp"]["down"]["kernel"], LayerList)
-    monkeypatch.setenv(layer_list.SWITCH, "scan")
-    assert not isinstance(e2.load_target(src).params["layers"]["mlp"]["up"]["kernel"], LayerList)
+    t = e2.load_target(src, layers="list")
+    assert isinstance(t.params["layers"]["mlp"]["down"]["kernel"], LayerList) and t.ops.layers == "list"
+    assert not isinstance(e2.load_target(src, layers="scan").params["layers"]["mlp"]["up"]["kernel"], LayerList)
+    with pytest.raises(ValueError, match="'scan' or 'list'"):
+        e2.load_target(src, layers="unrolled")
 
 
 def test_the_cpu_backend_keeps_its_stacks(monkeypatch, tmp_path):
@@ -131,14 +125,15 @@ def test_the_cpu_backend_keeps_its_stacks(monkeypatch, tmp_path):
         pytest.skip("no CPU backend here")
     with pytest.raises(ValueError, match="reads stacked layer weights itself"):
         per_layer(t)
-    from eagle2_jax.checkpoints import save_hf_dir
+    from eagle2_jax.hf_files import save_hf_dir
     src = save_hf_dir(t, str(tmp_path / "t"))
-    monkeypatch.setenv(layer_list.SWITCH, "list")  # load_target leaves such a backend's stacks alone
     assert not isinstance(e2.load_target(src).params["layers"]["mlp"]["up"]["kernel"], LayerList)
+    with pytest.raises(ValueError, match="reads stacked layer weights itself"):
+        e2.load_target(src, layers="list")
 
 
 def test_a_per_layer_target_saves_and_reloads(tmp_path):
-    from eagle2_jax.checkpoints import save_hf_dir
+    from eagle2_jax.hf_files import save_hf_dir
     t = _xla(e2.init_target(tiny_config(), 0), XLA_CPU)
     src = save_hf_dir(per_layer(t), str(tmp_path / "t"))
     back = e2.load_target(src, tokenizer=False)

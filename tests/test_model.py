@@ -11,7 +11,7 @@ import pytest
 from conftest import have_torch
 from eagle2_jax import ModelConfig, forward, init_target, load_target
 from eagle2_jax.cache import advance, init_cache
-from eagle2_jax.checkpoints import CheckpointError
+from eagle2_jax.convert import CheckpointError
 from eagle2_jax.layers import causal_mask
 from eagle2_jax.model import target_apply, target_logits
 from eagle2_jax.ops import XLA
@@ -197,7 +197,7 @@ def test_config_validation():
 
 
 def test_save_hf_dir_round_trip(tmp_path):
-    from eagle2_jax.checkpoints import save_hf_dir
+    from eagle2_jax.hf_files import save_hf_dir
     t = init_target(tiny_config(attention_bias=True), 0)
     t2 = load_target(save_hf_dir(t, str(tmp_path / "m")))
     ids = np.arange(9)[None]

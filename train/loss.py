@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from eagle2_jax.cache import init_cache
 from eagle2_jax.draft import draft_apply
+from eagle2_jax.eagle3 import Eagle3Draft
 from eagle2_jax.layers import causal_mask
 from eagle2_jax.model import target_apply, target_embed, target_logits
 
@@ -71,7 +72,7 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
     and the accuracy, instead of counting against the target renormalised over the draft tokens.
     Metric `in_vocab`: the share of step 0's positions kept.
 
-    `seg_BT` / `pos_BT` (a packed batch, see train.draft.Batcher): the head attends within a
+    `seg_BT` / `pos_BT` (a packed batch, see train.batches.Batcher): the head attends within a
     segment only, at those positions, and position j counts at step k only when t_{j+k+1} is in
     j's segment. Default: one sequence from position 0.
     """
@@ -104,7 +105,6 @@ def draft_loss(dparams, dmodule, tmodule, tparams, ids_BT, mask_BT, feats_BTD, n
         keep = jax.lax.stop_gradient(in_vocab[full_top])
     embed = lambda ids: jax.lax.stop_gradient(target_embed(tmodule, tparams, ids))  # noqa: E731
     if eagle3:
-        from eagle2_jax.eagle3 import Eagle3Draft
         net = {k: v for k, v in dparams.items() if k != "vocab_head"}
         own_logits = lambda h: dmodule.apply({"params": net}, h, method=Eagle3Draft.logits)  # noqa: E731
     loss, metrics = 0.0, {}

@@ -14,6 +14,8 @@ import json
 
 import numpy as np
 
+from train.data import read_shards
+
 
 def ranked_tokens(examples) -> np.ndarray:
     """The assistant tokens of `examples`, most frequent first (ties: lower id first)."""
@@ -38,7 +40,6 @@ def main(argv=None):
     ap.add_argument("--always", default="0,1,2", help="ids always kept (special tokens)")
     ap.add_argument("--out", required=True, help="output draft_vocab.json")
     args = ap.parse_args(argv)
-    from train.data import read_shards
     dirs = args.data.split(",")
     ex = read_shards(dirs[0])[:-args.heldout_examples or None]
     for d in dirs[1:]:

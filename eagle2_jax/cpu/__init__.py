@@ -2,14 +2,14 @@
 
 It depends on the core and plugs in from outside: importing this package registers `CpuOps`
 (eagle2_jax.cpu.ops) with `eagle2_jax.ops.register` and the packed GGUF loader with
-`eagle2_jax.checkpoints.register_gguf_packer`. The core never imports it.
+`eagle2_jax.gguf_files.register_gguf_packer`. The core never imports it.
 """
-from .. import checkpoints as _checkpoints
+from .. import gguf_files as _gguf_files
 from .. import ops as _ops
 from .gguf import pack_gguf
 from .ops import CpuOps, choose
 
 _ops.register(choose)
-_checkpoints.register_gguf_packer(pack_gguf)
+_gguf_files.register_gguf_packer(pack_gguf)
 
 __all__ = ["CpuOps", "choose", "pack_gguf"]

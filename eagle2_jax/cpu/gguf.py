@@ -1,5 +1,5 @@
 """Loading a GGUF target with its Q4_1 / Q8_0 blocks kept packed (eagle2_jax.cpu.packed), plugged
-into `eagle2_jax.checkpoints.load_gguf` through `register_gguf_packer`.
+into `eagle2_jax.gguf_files.load_gguf` through `register_gguf_packer`.
 
 The layer matrices become packed leaves stacked on the layer axis like every other layer param
 (q4 [L, K, N/2], d and m [L, K/32, N], w [L, *in, *out]); the tied embedding a Q8_0 leaf.
@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..checkpoints import (GGUF_TABLE, CheckpointError, _unpermute, abstract_target_params, check_params,
-                           convert, unflatten)
 from ..config import ModelConfig
+from ..convert import (GGUF_TABLE, CheckpointError, check_params, convert, unflatten,
+                       unpermute as _unpermute)
+from ..model import abstract_target_params
+from ..sharding import path_str
 from . import kernels, packed
 
 PACKED_SWITCH = "EAGLE2_JAX_PACKED"  # "0": load_gguf never packs
@@ -88,15 +90,14 @@ def _packed_params(reader, config: ModelConfig, path: str, rest_loader) -> dict:
 
 def _check_packed(params, expected, what: str):
     """check_params for a tree with packed leaves: each one's float32 copy has the expected shape."""
-    from ..sharding import _path_str
     got = dict(jax.tree_util.tree_leaves_with_path(params, is_leaf=packed.is_packed))
-    shaped = {_path_str(p): (jax.ShapeDtypeStruct(x["w"].shape, x["w"].dtype) if packed.is_packed(x) else x)
+    shaped = {path_str(p): (jax.ShapeDtypeStruct(x["w"].shape, x["w"].dtype) if packed.is_packed(x) else x)
               for p, x in got.items()}
     check_params(unflatten(shaped), expected, what)
 
 
 def pack_gguf(reader, config: ModelConfig, dtype, mesh, path: str, rest_loader):
-    """The GGUF packer registered with eagle2_jax.checkpoints: packed params, or None where not packable."""
+    """The GGUF packer registered with eagle2_jax.gguf_files: packed params, or None where not packable."""
     if not packable(reader, config, dtype, mesh):
         return None
     return _packed_params(reader, config, path, rest_loader)

@@ -3,8 +3,7 @@
 On a CPU, XLA runs a one-row matmul as a memory-bound matrix-vector product but 2-16 rows as a
 general GEMM that costs nearly twice as much per weight byte, so verifying a small draft tree costs
 far more than decoding one token. The kernels here stream the weights once for up to a few rows
-(`scripts/bench_few_row_matmul.py`, all SmolLM2-135M weights on the 2-core dev machine: 1 / 2 / 4 /
-8 rows 21.1 / 24.0 / 29.4 / 35.8 ms, XLA's dot 27.5 / 32.4 / 40.8 / 47.6 ms).
+(`scripts/bench_few_row_matmul.py` times them against XLA's dot; figures in docs/performance.md).
 
 `eagle2_jax.cpu.ops.CpuOps` plugs them into the model (the core never imports this module).
 `dot_general` is a drop-in for `lax.dot_general` that takes the kernel only for float32 operands
@@ -49,6 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..file_cache import cpu_signature, root
+
 TARGET = "eagle2_few_row_matmul"
 ATTENTION_TARGET = "eagle2_few_row_attention"
 Q4_TARGET = "eagle2_q4_matmul"
@@ -60,12 +61,10 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 
 def _cache_dir() -> Path:
-    from ..file_cache import root
     return root()
 
 
 def _cpu_signature() -> str:
-    from ..file_cache import cpu_signature
     return cpu_signature()
 
 

@@ -21,6 +21,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .. import ops as core_ops
@@ -65,6 +66,11 @@ class CpuOps(core_ops.Ops):
     scores: str = "slots"  # (XLA:CPU's faster orientation, for the XLA attention fallback)
     attention: bool = True  # the attention kernel for float32 caches
     cache_first: bool = False  # the kernel takes the cache as it was and the new keys/values as two blocks
+
+    def __post_init__(self):
+        if self.layers != "scan":  # the kernels index the stacked weights in place
+            raise ValueError(f"the {self.name!r} backend reads stacked layer weights itself; per-layer "
+                             f"buffers (layers='list') are for the XLA path")
 
     def weight(self, w):
         if packed.is_packed(w):  # GGUF blocks: their float32 copy
@@ -161,7 +167,6 @@ def _attend_kernel_bwd(args, g):
     dq, dk, dv, dm, dkn, dvn, dmn = jax.vjp(xla, q, sl(k), sl(v), mask, kn, vn, mask_new)[1](g)
     if layer is not None:
         dk, dv = jnp.zeros_like(k).at[layer].set(dk), jnp.zeros_like(v).at[layer].set(dv)
-    import numpy as np
     dlayer = None if layer is None else np.zeros((), jax.dtypes.float0)
     return dq, dk, dv, dm, dkn, dvn, dmn, dlayer
 

@@ -8,7 +8,7 @@ computes bit-for-bit what the unpacked float32 target computes through the kerne
 less memory. Calls over more rows than the float32 kernels take (kernels.NN_MAX_ROWS for a
 Dense kernel, NT_MAX_ROWS for the LM head: prompts, large batches) use XLA's dot on a float32 copy
 kept beside the blocks ("w"), as the unpacked model does, since dequantising a matrix per call
-costs more than that dot (30 layers at 8-32 rows: ~300 ms vs 58-87 ms).
+costs several times more than that dot.
 
 A packed leaf replaces a float32 param leaf by a dict:
 

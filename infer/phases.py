@@ -1,0 +1,35 @@
+"""The EAGLE-2 round's phases as standalone jitted programs, for the tools that time them
+(infer.roundcost) or read their compiled cost (infer.analytic). Each wraps the function the decode
+loop runs (eagle2_jax.eagle) as it is; each donates what it updates in place, as the loop does."""
+from __future__ import annotations
+
+import warnings
+
+import jax
+
+from eagle2_jax import eagle
+
+# scalars of a donated state that a phase leaves alone cannot be reused; JAX would warn on every compile
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+def _draft(tp, dp, st, *, tm, dm, tree):
+    return eagle.draft_tree(tm, tp, dm, dp, st, tree)
+
+
+def _verify(tp, st, t, *, tm, dm):
+    return eagle.verify_tree(tm, tp, dm, st, t)
+
+
+def _accept(tp, dp, st, t, v, dcache, sampling, *, tm, dm, tree):
+    return eagle.accept_and_commit(tm, tp, dm, dp, st, t, v, dcache, sampling, tree)
+
+
+def _round(tp, dp, st, sampling, *, tm, dm, tree):
+    return eagle.eagle_round(tm, tp, dm, dp, st, sampling, tree)
+
+
+DRAFT = jax.jit(_draft, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",))
+VERIFY = jax.jit(_verify, static_argnames=("tm", "dm"), donate_argnames=("st",))
+ACCEPT = jax.jit(_accept, static_argnames=("tm", "dm", "tree"), donate_argnames=("st", "v", "dcache"))
+ROUND = jax.jit(_round, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",))
