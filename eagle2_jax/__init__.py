@@ -2,6 +2,15 @@
 
 Lossless: greedy output is token-identical to plain decoding of the target, and sampled output
 follows the target's distribution.
+
+Array names end in their shape (`tokens_BN`: [B, N]); each letter has one meaning everywhere:
+  B batch rows            T new tokens of a forward    S cache slots       P prompt (padded)
+  H query heads           K key/value heads            G = H // K          Dh head dim
+  D hidden size           F MLP width                  V vocabulary        L layers
+  W tree width (top_k)    N tree nodes (total_tokens)  Q candidate pool    U draft scratch slots
+  C accepted-path slots   M output slots               R rounds            A aux layers (EAGLE-3)
+  E programs of one attention walk (Pallas)            X the key axis of a mask (S or T)
+  J any gathered index
 """
 from . import ops
 from .batching import GenerateOutput

@@ -51,9 +51,9 @@ def _accept_ranks(tparams, dparams, st, *, tmodule, dmodule, tree):
     log-probs, descending) and active_B (rows still generating)."""
     N = tree.total_tokens
     pool, _ = expand(tmodule, tparams, dmodule, dparams, st.dcache, st.hidden_BD, tree)
-    scores, top = jax.lax.top_k(pool.scores_BP, N - 1)  # score order, as rerank ranks them
-    B, P = pool.scores_BP.shape
-    rank_of = jax.vmap(lambda t: jnp.full((P,), N, jnp.int32).at[t].set(jnp.arange(N - 1, dtype=jnp.int32)))(top)
+    scores, top = jax.lax.top_k(pool.scores_BQ, N - 1)  # score order, as rerank ranks them
+    B, Q = pool.scores_BQ.shape
+    rank_of = jax.vmap(lambda t: jnp.full((Q,), N, jnp.int32).at[t].set(jnp.arange(N - 1, dtype=jnp.int32)))(top)
     t = rerank(pool, st.root_B, tree)  # node i >= 1 is pool entry sort(top)[i-1]
     node_rank = jnp.concatenate([jnp.full((B, 1), N, jnp.int32),
                                  jnp.take_along_axis(rank_of, jnp.sort(top, axis=1), axis=1)], axis=1)

@@ -11,8 +11,7 @@ A backend plugs in from outside by subclassing `Ops` and registering a chooser w
 `eagle2_jax.cpu` adds few-row C++ kernels and GGUF blocks kept packed for a one-device CPU. The
 core never imports a backend.
 
-Shapes: B batch, T new tokens, S cache slots, H query heads, K key/value heads, G = H // K,
-Dh head dim, D hidden, V vocabulary, L layers.
+Shape letters in names are the package's one list (eagle2_jax/__init__.py).
 """
 from __future__ import annotations
 

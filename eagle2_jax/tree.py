@@ -1,9 +1,9 @@
 """EAGLE-2's dynamic draft tree with static shapes: expand (draft passes, candidate pool) and
 rerank (top N-1 of the pool, parents before children, ancestor mask, depths).
 
-K = top_k, D = depth, N = total_tokens; the pool holds K + D*K*K candidates in level-major order:
-[root's K children][pass 1: K*K][pass 2: K*K]...; a candidate's pool parent always has a lower
-index, and its score (cumulative log-prob) never exceeds its parent's.
+The pool (Q = W + passes*W*W candidates, W = top_k; letters as listed in eagle2_jax/__init__.py) is
+in level-major order: [root's W children][pass 1: W*W][pass 2: W*W]...; a candidate's pool parent
+always has a lower index, and its score (cumulative log-prob) never exceeds its parent's.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from .sampling import top_log_probs
 
 @struct.dataclass
 class Pool:
-    tokens_BP: jax.Array  # int32 candidate tokens
-    scores_BP: jax.Array  # float32 cumulative log-probs
-    parents_BP: jax.Array  # int32 pool index of the parent, -1 for the root's children
+    tokens_BQ: jax.Array  # int32 candidate tokens
+    scores_BQ: jax.Array  # float32 cumulative log-probs
+    parents_BQ: jax.Array  # int32 pool index of the parent, -1 for the root's children
 
 
 @struct.dataclass
@@ -33,14 +33,14 @@ class Tree:
     depths_BN: jax.Array  # 0 for the root
 
 
-def _take_rows(x_BK, idx_BJ):
-    """x[b, idx[b, j]] for trailing dims too, as a one-hot selection over the K rows (exact: one
+def _take_rows(x_BW, idx_BJ):
+    """x[b, idx[b, j]] for trailing dims too, as a one-hot selection over the W rows (exact: one
     term per output)."""
-    hit = idx_BJ[:, :, None] == jnp.arange(x_BK.shape[1])[None, None]  # [B, J, K]
-    hit = hit.reshape(hit.shape + (1,) * (x_BK.ndim - 2))
-    if x_BK.dtype == jnp.bool_:
-        return jnp.any(hit & x_BK[:, None], axis=2)
-    return jnp.sum(jnp.where(hit, x_BK[:, None], jnp.zeros((), x_BK.dtype)), axis=2, dtype=x_BK.dtype)
+    hit = idx_BJ[:, :, None] == jnp.arange(x_BW.shape[1])[None, None]  # [B, J, W]
+    hit = hit.reshape(hit.shape + (1,) * (x_BW.ndim - 2))
+    if x_BW.dtype == jnp.bool_:
+        return jnp.any(hit & x_BW[:, None], axis=2)
+    return jnp.sum(jnp.where(hit, x_BW[:, None], jnp.zeros((), x_BW.dtype)), axis=2, dtype=x_BW.dtype)
 
 
 def draft_topk(tmodule: Llama, tparams, dmodule, dparams, h, k: int):
@@ -65,38 +65,38 @@ def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCach
            hidden_BD: jax.Array, tree: TreeConfig):
     """Grow the candidate pool from the draft's last hidden state (the root's prediction).
 
-    Tree nodes' draft keys/values go to the draft cache's scratch slots length + level*K + j and
+    Tree nodes' draft keys/values go to the draft cache's scratch slots length + level*W + j and
     are never committed. Returns (Pool, draft cache).
     """
-    K, D = tree.top_k, tree.passes
-    B, Dm = hidden_BD.shape
-    score_BK, tok_BK = draft_topk(tmodule, tparams, dmodule, dparams, hidden_BD, K)
-    pool_tok, pool_score = [tok_BK], [score_BK]
-    pool_parent = [jnp.full((B, K), -1, jnp.int32)]
-    frontier_idx = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, K))  # pool index
-    parent_h = jnp.broadcast_to(hidden_BD[:, None, :], (B, K, Dm))
-    slots = K * D  # draft scratch slots: K nodes per pass
-    anc_BKU = jnp.broadcast_to(jax.nn.one_hot(jnp.arange(K), slots, dtype=bool), (B, K, slots))
-    base = K
-    for level in range(D):
-        emb = target_embed(tmodule, tparams, tok_BK)
-        pos = jnp.broadcast_to((dcache.length + level)[:, None], (B, K))
-        h_BKD, dcache = draft_apply(dmodule, dparams, emb, parent_h, pos, dcache, anc_BKU, offset=level * K)
-        child_score, child_tok = draft_topk(tmodule, tparams, dmodule, dparams, h_BKD, K)  # [B, K, K]
-        cand = (score_BK[:, :, None] + child_score).reshape(B, K * K)
-        cand_tok = child_tok.reshape(B, K * K).astype(jnp.int32)
+    W, passes = tree.top_k, tree.passes
+    B, D = hidden_BD.shape
+    score_BW, tok_BW = draft_topk(tmodule, tparams, dmodule, dparams, hidden_BD, W)
+    pool_tok, pool_score = [tok_BW], [score_BW]
+    pool_parent = [jnp.full((B, W), -1, jnp.int32)]
+    frontier_idx = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))  # pool index
+    parent_h = jnp.broadcast_to(hidden_BD[:, None, :], (B, W, D))
+    slots = W * passes  # U: draft scratch slots, W nodes per pass
+    anc_BWU = jnp.broadcast_to(jax.nn.one_hot(jnp.arange(W), slots, dtype=bool), (B, W, slots))
+    base = W
+    for level in range(passes):
+        emb = target_embed(tmodule, tparams, tok_BW)
+        pos = jnp.broadcast_to((dcache.length + level)[:, None], (B, W))
+        h_BWD, dcache = draft_apply(dmodule, dparams, emb, parent_h, pos, dcache, anc_BWU, offset=level * W)
+        child_score, child_tok = draft_topk(tmodule, tparams, dmodule, dparams, h_BWD, W)  # [B, W, W]
+        cand = (score_BW[:, :, None] + child_score).reshape(B, W * W)
+        cand_tok = child_tok.reshape(B, W * W).astype(jnp.int32)
         pool_tok.append(cand_tok)
         pool_score.append(cand)
-        pool_parent.append(jnp.repeat(frontier_idx, K, axis=1))
-        if level + 1 < D:
-            score_BK, pick = jax.lax.top_k(cand, K)
-            parent = pick // K
-            tok_BK = _take_rows(cand_tok, pick)
+        pool_parent.append(jnp.repeat(frontier_idx, W, axis=1))
+        if level + 1 < passes:
+            score_BW, pick = jax.lax.top_k(cand, W)
+            parent = pick // W
+            tok_BW = _take_rows(cand_tok, pick)
             frontier_idx = (base + pick).astype(jnp.int32)
-            parent_h = _take_rows(h_BKD, parent)
-            own = jax.nn.one_hot((level + 1) * K + jnp.arange(K), slots, dtype=bool)
-            anc_BKU = _take_rows(anc_BKU, parent) | own[None]
-        base += K * K
+            parent_h = _take_rows(h_BWD, parent)
+            own = jax.nn.one_hot((level + 1) * W + jnp.arange(W), slots, dtype=bool)
+            anc_BWU = _take_rows(anc_BWU, parent) | own[None]
+        base += W * W
     pool = Pool(jnp.concatenate(pool_tok, 1), jnp.concatenate(pool_score, 1), jnp.concatenate(pool_parent, 1))
     return pool, dcache
 
@@ -108,11 +108,11 @@ def rerank(pool: Pool, root_B: jax.Array, tree: TreeConfig) -> Tree:
     if N == 1:
         return Tree(root_B[:, None].astype(jnp.int32), jnp.full((B, 1), -1, jnp.int32),
                     jnp.ones((B, 1, 1), bool), jnp.zeros((B, 1), jnp.int32))
-    _, top = jax.lax.top_k(pool.scores_BP, N - 1)  # ties: lower index (the parent) first
+    _, top = jax.lax.top_k(pool.scores_BQ, N - 1)  # ties: lower index (the parent) first
     sel = jnp.sort(top, axis=1)
-    toks = jnp.take_along_axis(pool.tokens_BP, sel, axis=1, mode="promise_in_bounds")
-    ppool = jnp.take_along_axis(pool.parents_BP, sel, axis=1, mode="promise_in_bounds")
-    node_of = jax.vmap(lambda s: jnp.zeros((pool.scores_BP.shape[1],), jnp.int32)
+    toks = jnp.take_along_axis(pool.tokens_BQ, sel, axis=1, mode="promise_in_bounds")
+    ppool = jnp.take_along_axis(pool.parents_BQ, sel, axis=1, mode="promise_in_bounds")
+    node_of = jax.vmap(lambda s: jnp.zeros((pool.scores_BQ.shape[1],), jnp.int32)
                        .at[s].set(jnp.arange(1, N, dtype=jnp.int32)))(sel)
     pnode_at = jnp.take_along_axis(node_of, jnp.maximum(ppool, 0), axis=1, mode="promise_in_bounds")
     pnode = jnp.where(ppool < 0, 0, pnode_at)

@@ -120,7 +120,8 @@ def analytic_main(args):
         try:
             r = analyze(model, "bfloat16" if args.dtype == "auto" else args.dtype, bsz, args.prompt_len,
                         args.max_new_tokens, args.depth, args.top_k, n, args.draft_vocab, args.tau, args.accelerator,
-                        args.kernels and not args.compile_for, args.attention, args.compile_for, dump, args.gpu_graphs)
+                        args.kernels and not args.compile_for, args.attention, args.compile_for, dump, args.gpu_graphs,
+                        None if args.layer_layout == "auto" else args.layer_layout)
         except ValueError as e:
             fail(str(e))
         print(format_report(r) + "\n", flush=True)

@@ -165,15 +165,15 @@ def test_drafted_tree_matches_numpy_reference(tmp_path, accel):
     np.testing.assert_allclose(np.asarray(hidden[0]), h[-1], rtol=1e-4, atol=1e-4)
     cache_kv = (list(k), list(v))
     s0, t0 = ref_topk(sd, h[-1], K)
-    np.testing.assert_array_equal(np.asarray(pool.tokens_BP[0, :K]), t0)
-    np.testing.assert_allclose(np.asarray(pool.scores_BP[0, :K]), s0, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(pool.tokens_BQ[0, :K]), t0)
+    np.testing.assert_allclose(np.asarray(pool.scores_BQ[0, :K]), s0, rtol=1e-4, atol=1e-4)
     # one draft pass: the K children at position P, each seeing the committed prefix and itself
     see = np.concatenate([np.ones((K, P), bool), np.eye(K, dtype=bool)], axis=1)
     hk, _, _ = ref_layer(sd, emb[t0], np.repeat(h[-1:], K, 0), np.full(K, P, np.float64), cache_kv, see)
     for j in range(K):
         s1, t1 = ref_topk(sd, hk[j], K)
-        np.testing.assert_array_equal(np.asarray(pool.tokens_BP[0, K + j * K:K + (j + 1) * K]), t1)
-        np.testing.assert_allclose(np.asarray(pool.scores_BP[0, K + j * K:K + (j + 1) * K]), s0[j] + s1,
+        np.testing.assert_array_equal(np.asarray(pool.tokens_BQ[0, K + j * K:K + (j + 1) * K]), t1)
+        np.testing.assert_allclose(np.asarray(pool.scores_BQ[0, K + j * K:K + (j + 1) * K]), s0[j] + s1,
                                    rtol=1e-4, atol=1e-4)
 
 
@@ -269,7 +269,6 @@ def test_eagle2_export_holds_the_embedding_for_the_strict_loader(tmp_path):
                zip(jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(d.params)))
 
 
-@pytest.mark.optimized  # ~100k samples: running, not compiling (tests/conftest.py)
 def test_eagle3_sampling_matches_target_distribution():
     """The chi-square check of tests/test_sampling_lossless.py with an EAGLE-3 head drafting."""
     from eagle2_jax.config import SamplingConfig

@@ -69,10 +69,10 @@ def test_rerank_properties(K, D, frac, seed, ties):
         assert dep.max() <= D + 1
         # the selected pool scores are the N-1 largest
         if N > 1:
-            sel = np.sort(np.asarray(jax.lax.top_k(pool.scores_BP[b], N - 1)[1]))
+            sel = np.sort(np.asarray(jax.lax.top_k(pool.scores_BQ[b], N - 1)[1]))
             np.testing.assert_array_equal(tok[1:], pools[b][0][sel])
         # each row alone gives the same tree: no cross-row gathers
-        alone = rr(Pool(*(x[b:b + 1] for x in (pool.tokens_BP, pool.scores_BP, pool.parents_BP))),
+        alone = rr(Pool(*(x[b:b + 1] for x in (pool.tokens_BQ, pool.scores_BQ, pool.parents_BQ))),
                    roots[b:b + 1], cfg)
         np.testing.assert_array_equal(np.asarray(alone.parents_BN[0]), par)
         np.testing.assert_array_equal(np.asarray(alone.tokens_BN[0]), tok)
@@ -133,7 +133,7 @@ def test_skipped_draft_passes_leave_the_tree_unchanged():
         cfg = TreeConfig(D, K, N)
         assert cfg.passes == max(0, min(D, N - 2))
         pool, _ = expand_jit(t.module, t.params, d.module, d.params, dcache, hidden, cfg)
-        assert pool.tokens_BP.shape[1] == K + cfg.passes * K * K
+        assert pool.tokens_BQ.shape[1] == K + cfg.passes * K * K
         short, ref = rerank_jit(pool, roots, cfg), rerank_jit(full_pool, roots, cfg)
         for a, b in zip((short.tokens_BN, short.parents_BN, short.depths_BN, short.ancestors_BNN),
                         (ref.tokens_BN, ref.parents_BN, ref.depths_BN, ref.ancestors_BNN)):

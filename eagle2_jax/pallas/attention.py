@@ -8,15 +8,15 @@ head) program walks only the blocks up to the last slot its mask allows (committ
 scratch), then, when given, the call's own new keys under the tree mask (a forward that wrote them
 into the cache first passes none), and writes [T, Dh] per query head.
 Scores never leave the chip. On a GPU a small batch has few (row, head) pairs, so each walk is
-split over P programs (flash-decoding: `split_count`) that write float32 partial sums, and XLA
+split over E programs (flash-decoding: `split_count`) that write float32 partial sums, and XLA
 combines them.
 
 Same arguments and result as `Ops.attend`; query rows are padded to a power of two (at least 16,
 the smallest matrix-unit tile), cache slots to a multiple of the block. Runs as Triton on GPU,
 Mosaic on TPU, and in interpret mode anywhere (tests on CPU compare it with the XLA path).
 
-Shapes: B batch, T new tokens (Tp padded), S cache slots, H query heads, K key/value heads,
-G = H // K, Dh head dim, N live blocks per row, P programs per walk.
+Shape letters as listed in eagle2_jax/__init__.py, and here: Tp the padded query tokens, E the
+programs (parts) of one walk over a row's live cache blocks.
 """
 from __future__ import annotations
 
@@ -85,11 +85,11 @@ def _kernel(nblocks_ref, q_ref, k_ref, v_ref, mask_ref, *refs, G, block, splits)
                 ref[g] = x
 
 
-def _combine(acc_BKPGTD, top_BKPGT, total_BKPGT):
+def _combine(acc_BKEGTD, top_BKEGT, total_BKEGT):
     """The parts of a split walk as one softmax: rescale each to the largest running max, sum."""
-    w = jnp.exp(top_BKPGT - jnp.max(top_BKPGT, axis=2, keepdims=True))
-    total = jnp.sum(w * total_BKPGT, axis=2)
-    return jnp.sum(w[..., None] * acc_BKPGTD, axis=2) / total[..., None]  # [B, K, G, Tp, Dh]
+    w = jnp.exp(top_BKEGT - jnp.max(top_BKEGT, axis=2, keepdims=True))
+    total = jnp.sum(w * total_BKEGT, axis=2)
+    return jnp.sum(w[..., None] * acc_BKEGTD, axis=2) / total[..., None]  # [B, K, G, Tp, Dh]
 
 
 PROGRAMS = 128  # about one per streaming multiprocessor (132 on an H100 / H200)
@@ -122,7 +122,7 @@ def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD
                    block: int = 128, backend: str = "interpret", splits: Optional[int] = None):
     """`Ops.attend` as one kernel (without new keys/values: over the cache alone, as a forward that
     wrote them into the cache first). backend: "gpu" (Triton), "tpu" (Mosaic) or "interpret".
-    splits: programs per (row, KV head) walk, P (None: `split_count`); with P > 1 the parts'
+    splits: programs per (row, KV head) walk, E (None: `split_count`); with E > 1 the parts'
     partial sums are combined by XLA (`_combine`)."""
     B, T, H, Dh = q_BTHD.shape
     K, S = k_BKSD.shape[1], k_BKSD.shape[2]
@@ -130,7 +130,7 @@ def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD
     Tp = _pow2_at_least(T, 16)
     block = min(block, _pow2_at_least(S, 16))
     Sp = max(pl.cdiv(S, block), 1) * block  # an empty cache (a prefill's view) gets one masked block
-    P = split_count(B, K, Sp // block, backend) if splits is None else splits
+    E = split_count(B, K, Sp // block, backend) if splits is None else splits
     dt = k_BKSD.dtype
     q = q_BTHD.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, Tp - T), (0, 0)))  # [B, K, G, Tp, Dh], scaled in the kernel
@@ -145,7 +145,7 @@ def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD
                jnp.pad(mask_new_BTT, ((0, 0), (0, Tp - T), (0, Tp - T))).astype(jnp.int32))  # mask [B, Tp, Tp]
     nblocks = live_blocks(mask_BTS, block)
 
-    # grid (B, K) or, split, (B, K, P); `*_` takes the part index where the block does not depend on it
+    # grid (B, K) or, split, (B, K, E); `*_` takes the part index where the block does not depend on it
     row = lambda *shape: pl.BlockSpec((None,) + shape, lambda b, h, *_: (b,) + (0,) * len(shape))  # noqa: E731
     head = lambda *shape: pl.BlockSpec((None, None) + shape, lambda b, h, *_: (b, h) + (0,) * len(shape))  # noqa: E731
     part = lambda *shape: pl.BlockSpec((None, None, None) + shape, lambda b, h, p: (b, h, p) + (0,) * len(shape))  # noqa: E731
@@ -158,22 +158,22 @@ def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD
         if backend == "gpu":
             from jax.experimental.pallas import triton as pltriton
             params = pltriton.CompilerParams(num_warps=4, num_stages=2)
-    if P == 1:
+    if E == 1:
         grid, out_specs = (B, K), head(G, Tp, Dh)
         out_shape = jax.ShapeDtypeStruct((B, K, G, Tp, Dh), q_BTHD.dtype)
         out_bytes = q.size * q.dtype.itemsize
     else:
         f32 = jnp.float32
-        grid, out_specs = (B, K, P), [part(G, Tp, Dh), part(G, Tp), part(G, Tp)]
-        out_shape = [jax.ShapeDtypeStruct((B, K, P, G, Tp, Dh), f32), jax.ShapeDtypeStruct((B, K, P, G, Tp), f32),
-                     jax.ShapeDtypeStruct((B, K, P, G, Tp), f32)]
-        out_bytes = B * K * P * G * Tp * (Dh + 2) * 4
+        grid, out_specs = (B, K, E), [part(G, Tp, Dh), part(G, Tp), part(G, Tp)]
+        out_shape = [jax.ShapeDtypeStruct((B, K, E, G, Tp, Dh), f32), jax.ShapeDtypeStruct((B, K, E, G, Tp), f32),
+                     jax.ShapeDtypeStruct((B, K, E, G, Tp), f32)]
+        out_bytes = B * K * E * G * Tp * (Dh + 2) * 4
     live = B * K * (Sp * Dh * 2 * jnp.dtype(dt).itemsize)  # an upper bound: every block live
     Tn = Tp if new else 0
     cost = pl.CostEstimate(flops=4 * B * H * Tp * (Sp + Tn) * Dh, transcendentals=B * H * Tp * (Sp + Tn),
                            bytes_accessed=live + q.size * q.dtype.itemsize + out_bytes + mask.size * 4)
     out = pl.pallas_call(
-        functools.partial(_kernel, G=G, block=block, splits=P),
+        functools.partial(_kernel, G=G, block=block, splits=E),
         grid=grid,
         in_specs=[scalars, head(G, Tp, Dh), head(Sp, Dh), head(Sp, Dh), row(Tp, Sp)] + (
             [head(Tp, Dh), head(Tp, Dh), row(Tp, Tp)] if new else []),
@@ -184,6 +184,6 @@ def tree_attention(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD
         cost_estimate=cost,
         name="tree_attention",
     )(nblocks, q, k_BKSD, v_BKSD, mask, *new)
-    if P > 1:
+    if E > 1:
         out = _combine(*out).astype(q_BTHD.dtype)
     return out[:, :, :, :T].transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)

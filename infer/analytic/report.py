@@ -44,7 +44,7 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
             max_new_tokens: int = 256, depth: int = 5, top_k: int = 10, total_tokens: int = 60,
             draft_vocab: int = 32000, tau: float = 4.5, accelerator: str = "h200", kernels: bool = True,
             attention: str = "xla", compile_for: str | None = None, dump_hlo: str | None = None,
-            gpu_graphs: str = "body") -> dict:
+            gpu_graphs: str = "body", layers: str | None = None) -> dict:
     """The report for one shape, batch and tree (see infer.analytic's docstring). attention="pallas":
     the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered for the
     platform of `compile_for` (or else the accelerator's: GPU Triton, TPU Mosaic); its
@@ -55,7 +55,9 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     L2) as "compiled" rows, the step and round as one trip of the decode loops; dump_hlo: a
     directory for the compiled HLO. For a GPU the decode loops compile with the CUDA-graph mode
     `gpu_graphs` (eagle2_jax.programs.gpu_graph_options) and the report adds what the host launches and
-    waits for per trip (loop_launches)."""
+    waits for per trip (loop_launches). layers: the layer layout of the compiled rows, "scan" (stacked
+    weights, one scanned layer body) or "list" (a buffer per layer, the loop unrolled); None: the
+    platform's choice (its Ops, eagle2_jax.ops.xla_for: per-layer on GPU, a scan on TPU)."""
     if accelerator not in ACCELERATORS:
         raise ValueError(f"unknown accelerator {accelerator!r}: one of {', '.join(ACCELERATORS)}")
     target = e2.load_target(model, dtype=dtype, abstract=True)
@@ -74,6 +76,8 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         base, kernels = ops_for(backend="tpu" if platform == "tpu" else "gpu"), False
     else:
         base = e2.ops.xla_for(platform)  # the XLA path as the target platform (GPU or TPU) runs it
+    if layers is not None:  # the layer layout asked for instead of the platform's
+        base = dataclasses.replace(base, layers=layers)
 
     place = None  # lower_all(base, on=placement(...)): for a GPU or TPU, to compile without one
 
@@ -177,6 +181,7 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
             out["compiled"].update(step_ms_floor=fl(step) * 1e3, round_ms_floor=fl(rnd) * 1e3,
                                    speedup_floor=tau * fl(step) / fl(rnd), kernel_floor_us=GPU_KERNEL_FLOOR_S * 1e6)
         meta["compiled_with"] = compiler_version(compile_for)
+        meta["compiled_layers"] = base.layers  # the layer layout of the compiled rows ("scan" or "list")
         if compile_for in GPU_TARGETS:
             meta["gpu_graphs"] = gpu_graphs
     return {**out, "step": step, "round": {**rnd, "parts": parts},
@@ -217,7 +222,8 @@ def format_report(r: dict) -> str:
               f"mostly does): round / step {r['ratios']['matmul_bytes']:.2f}x, speedup {rf['speedup_matmul_bytes']:.2f}x"]
     if "compiled" in r:  # after XLA's GPU/TPU fusion (and, on TPU, memory-space assignment)
         c = r["compiled"]
-        lines += ["", f"compiled by XLA for {ACCELERATORS[c['for']]['name']} ({m.get('compiled_with', '')}; "
+        layout = f"layers: {m['compiled_layers']}; " if "compiled_layers" in m else ""
+        lines += ["", f"compiled by XLA for {ACCELERATORS[c['for']]['name']} ({m.get('compiled_with', '')}; {layout}"
                       f"HBM bytes of the fused kernels, infer.analytic.hbm_traffic; step and round: one trip "
                       f"of the decode loops, parts: standalone programs):",
                   ""]
