@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .config import SamplingConfig, TreeConfig
-from .defaults import REFERENCE_TREE, head_tree
+from .defaults import REFERENCE_TREE, for_batch, head_tree
 from .eagle import STEP, STREAM_STEP, start
 from .model import target_apply, target_logits
 from .programs import Program
@@ -145,14 +146,22 @@ def choose_tree(target, draft, prompts, *, depth: int = 5, top_k: int = 10, cand
     return TreeChoice(TreeConfig(depth, top_k, best["total_tokens"]), table)
 
 
-def resolve_tree(draft=None, depth=None, top_k=None, total_tokens=None, *, target=None, prompts=None,
-                 backend=None, report=None) -> TreeConfig:
+def resolve_tree(draft=None, depth=None, top_k=None, total_tokens=None, *, batch=None, target=None,
+                 prompts=None, backend=None, report=None) -> Optional[TreeConfig]:
     """The tree for a generation, for the library and every command alike: each field given here
     (command-line flags), else the head's tree.json for this platform (defaults.head_tree), else the
-    reference tree. total_tokens "auto" times rounds on this machine over `prompts` (`choose_tree`)
-    and, with `report`, passes it the TreeChoice."""
+    reference tree. Where tree.json times trees per batch size (`by_batch`) and total_tokens is not
+    given, `batch` rows take that table's size, and None where it says plain decoding is faster at
+    that batch (as verifying a tree becomes compute-bound). total_tokens "auto" times rounds on this
+    machine over `prompts` (`choose_tree`) and, with `report`, passes it the TreeChoice."""
     fields = {**{k: getattr(REFERENCE_TREE, k) for k in ("depth", "top_k", "total_tokens")},
               **head_tree(getattr(draft, "source", None), backend)}
+    by_batch = fields.pop("by_batch", None)
+    if by_batch and total_tokens is None and batch is not None:
+        n = for_batch(by_batch, batch)
+        if n == "plain":
+            return None
+        fields["total_tokens"] = n
     for k, v in (("depth", depth), ("top_k", top_k), ("total_tokens", total_tokens)):
         if v is not None:
             fields[k] = v

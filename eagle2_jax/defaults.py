@@ -49,4 +49,18 @@ def head_tree(source: Optional[str], backend: Optional[str] = None) -> dict:
         d = d if platform(backend) == "cpu" else {}
     else:
         d = d.get(platform(backend), {})
-    return {k: v for k, v in d.items() if k in keys}
+    by_batch = d.get("by_batch")
+    if by_batch is not None and not (isinstance(by_batch, dict) and all(
+            str(b).isdigit() and int(b) >= 1 and (v == "plain" or (isinstance(v, int) and v >= 1))
+            for b, v in by_batch.items())):
+        raise ValueError(f"corrupt {path}: by_batch maps batch sizes to total_tokens or \"plain\", got {by_batch!r}")
+    out = {k: v for k, v in d.items() if k in keys}
+    return {**out, "by_batch": {int(b): v for b, v in by_batch.items()}} if by_batch else out
+
+
+def for_batch(by_batch: dict, batch: int):
+    """The entry of a tree.json's by_batch table for `batch` rows: that of the largest batch size
+    listed at or below it (the smallest listed, below them all): total_tokens or "plain"."""
+    sizes = sorted(by_batch)
+    below = [b for b in sizes if b <= batch]
+    return by_batch[below[-1] if below else sizes[0]]

@@ -15,6 +15,7 @@ from .eagle import LOOP, PREFILL, STREAM_STEP, program_inputs
 from .model import Target, is_abstract
 from .programs import gpu_graph_options, run
 from .sharding import to_host
+from .vanilla import generate_vanilla
 
 
 def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -24,8 +25,10 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
              gpu_graphs: str = "body") -> Optional[GenerateOutput]:
     """EAGLE-2 speculative decoding of token-id prompts; lossless with respect to the target.
 
-    `tree`: a TreeConfig; None: the head's tree for this platform, else the reference tree; "auto":
-    the tree size timed on this machine (both through autotune.resolve_tree, as the command line).
+    `tree`: a TreeConfig; None: the head's tree for this platform and this many prompts (where the
+    head's tree.json says no tree pays at this batch size, plain decoding: every round adds one
+    token), else the reference tree; "auto": the tree size timed on this machine (both through
+    autotune.resolve_tree, as the command line).
     Returns `.tokens` (new tokens per prompt, EOS kept) and `.accept_lengths` (tokens added per
     round, bonus included; tau is their mean). With `stream`, rounds are stepped from the host and
     stream(row, new_tokens) is called as tokens come. With `timings` (a dict), records compile_s and
@@ -37,7 +40,12 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     if tree is None or isinstance(tree, str):
         if tree not in (None, "auto"):
             raise ValueError(f"tree must be a TreeConfig, 'auto' or None, got {tree!r}")
-        tree = resolve_tree(draft, total_tokens=tree, target=target, prompts=prompts)
+        tree = resolve_tree(draft, total_tokens=tree, batch=len(prompts), target=target, prompts=prompts)
+        if tree is None:
+            check_compatible(draft.config, target.config)
+            return _plain(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, eos_token_id=eos_token_id, seed=seed, stream=stream, timings=timings,
+                          compile_only=compile_only, gpu_graphs=gpu_graphs)
     if not isinstance(tree, TreeConfig):
         raise ValueError(f"tree must be a TreeConfig, 'auto' or None, got {tree!r}")
     check_compatible(draft.config, target.config)
@@ -60,3 +68,12 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     return GenerateOutput(tokens=[out[r, :n_out[r]].tolist() for r in rows],
                           accept_lengths=[acc[r, :rounds[r]].tolist() for r in rows],
                           rounds=[int(rounds[r]) for r in rows])
+
+
+def _plain(target: Target, prompts, **kw) -> Optional[GenerateOutput]:
+    """Plain decoding as a generation whose every round adds one token (tau 1)."""
+    out = generate_vanilla(target, prompts, **kw)
+    if out is None:
+        return None
+    steps = [max(len(t) - 1, 0) for t in out.tokens]  # the first token comes from the prefill
+    return GenerateOutput(tokens=out.tokens, accept_lengths=[[1] * n for n in steps], rounds=steps)

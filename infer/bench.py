@@ -138,7 +138,7 @@ def main(argv=None):
             runners[m] = Ours(m, target, None, None, args)
         elif m == "eagle":
             tree = tree_of(args, draft, target, [render(tok, [{"role": "user", "content": q["turns"][0]}])
-                                                 for q in questions[:2]])
+                                                 for q in questions[:2]], batch=args.batch)
             runners[m] = Ours(m, target, draft, tree, args)
         else:
             try:

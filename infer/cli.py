@@ -222,9 +222,10 @@ def load_models(args, need_draft: bool = True, mesh=None):
     return target, draft
 
 
-def tree_of(args, draft, target=None, prompts=None):
+def tree_of(args, draft, target=None, prompts=None, batch=None):
     """The tree the tree group asks for (autotune.resolve_tree: flags over the head's tree.json over the
-    reference tree); 'auto' prints the timed table to stderr."""
+    reference tree), for `batch` rows (None: no tree pays there, decode plainly); 'auto' prints the
+    timed table to stderr."""
 
     def report(choice):
         for r in choice.table:
@@ -232,7 +233,7 @@ def tree_of(args, draft, target=None, prompts=None):
                   f"{r['round_ms']:.1f} ms, ~{r['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
         print(f"auto tree: {choice.tree}", file=sys.stderr)
     try:
-        return resolve_tree(draft, args.depth, args.top_k, args.total_tokens, target=target, prompts=prompts,
-                            report=report)
+        return resolve_tree(draft, args.depth, args.top_k, args.total_tokens, batch=batch, target=target,
+                            prompts=prompts, report=report)
     except ValueError as e:
         fail(str(e))

@@ -68,7 +68,11 @@ def main(argv=None):
         fail("the model has no tokenizer; use the library API with token ids")
     texts = args.prompt or [DEFAULT_PROMPT]
     prompts = encode_prompts(tok, texts, args.raw)
-    tree = tree_of(args, draft, target, prompts) if draft is not None else None
+    tree = tree_of(args, draft, target, prompts, batch=len(prompts)) if draft is not None else None
+    if draft is not None and tree is None:  # the head's tree.json: no tree pays at this batch size
+        print(f"plain decoding: no tree pays at batch {len(prompts)} here ({draft.source}/tree.json)",
+              file=sys.stderr)
+        draft = None
     eos = target.config.eos_token_id if tok.eos_token_id is None else tok.eos_token_id
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.sample_top_k, eos_token_id=eos, seed=args.seed, gpu_graphs=args.gpu_graphs)
