@@ -10,7 +10,7 @@ Array names end in their shape (`tokens_BN`: [B, N]); each letter has one meanin
   W tree width (top_k)    N tree nodes (total_tokens)  Q candidate pool    U draft scratch slots
   C accepted-path slots   M output slots               R rounds            A aux layers (EAGLE-3)
   E programs of one attention walk (Pallas)            X the key axis of a mask (S or T)
-  J any gathered index
+  Y query rows of attention (G * T)                    J any gathered index
 """
 from . import ops
 from .batching import GenerateOutput

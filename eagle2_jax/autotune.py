@@ -48,7 +48,7 @@ def _accept_ranks(tparams, dparams, st, *, tmodule, dmodule, tree):
     growing with depth -- and its greedy acceptance (bonus included) is 1 + their count.
 
     Returns ranks_BC (score rank of the accepted path's drafted nodes in depth order, C = max_accept;
-    the root and the entries past the path hold N), scores_BM (the M = N-1 best cumulative
+    the root and the entries past the path hold N), scores_BJ (the J = N-1 best cumulative
     log-probs, descending) and active_B (rows still generating)."""
     N = tree.total_tokens
     pool, _ = expand(tmodule, tparams, dmodule, dparams, st.dcache, st.hidden_BD, tree)
@@ -73,7 +73,7 @@ ACCEPT_RANKS = Program(_accept_ranks, ("tmodule", "dmodule", "tree"))
 class Acceptance:
     """Per calibration sample (a row in a round): what each tree size accepts."""
     ranks: np.ndarray  # [S, C] see _accept_ranks
-    scores: np.ndarray  # [S, M] draft cumulative log-probs, descending
+    scores: np.ndarray  # [samples, N-1] draft cumulative log-probs, descending
 
     def measured_tau(self, n: int) -> float:
         """Mean tokens per round (bonus included) of the n-node tree, greedy."""
@@ -156,8 +156,8 @@ def resolve_tree(draft=None, depth=None, top_k=None, total_tokens=None, *, batch
     machine over `prompts` (`choose_tree`) and, with `report`, passes it the TreeChoice."""
     fields = {**{k: getattr(REFERENCE_TREE, k) for k in ("depth", "top_k", "total_tokens")},
               **head_tree(getattr(draft, "source", None), backend)}
-    by_batch = fields.pop("by_batch", None)
-    if by_batch and total_tokens is None and batch is not None:
+    by_batch = fields.pop("by_batch", None)  # timed for the head's own tree: it holds unless a field is given
+    if by_batch and batch is not None and depth is None and top_k is None and total_tokens is None:
         n = for_batch(by_batch, batch)
         if n == "plain":
             return None

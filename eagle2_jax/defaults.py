@@ -7,7 +7,8 @@ GGUF blocks are float32).
 tree: a head's `tree.json` may give one tree per platform ({"cpu": {...}, "gpu": {...}, "tpu": {...}})
 or one flat tree (tuned on the CPU it was measured on: used there only). Without one, the
 reference tree (depth 5, top_k 10, 60 tokens) everywhere: on GPU/TPU extra verified rows are nearly
-free. `tree="auto"` (library) / `--total-tokens auto` (CLI) instead times rounds on the machine at
+free. An entry may add `"by_batch": {"<batch size>": total_tokens or "plain", ...}`: trees timed
+per batch size ("plain": none pays there). `tree="auto"` (library) / `--total-tokens auto` (CLI) instead times rounds on the machine at
 hand. `autotune.resolve_tree` combines these with the caller's fields.
 """
 from __future__ import annotations

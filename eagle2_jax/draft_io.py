@@ -20,8 +20,8 @@ import numpy as np
 
 from . import layer_list
 from .config import ModelConfig
-from .convert import (CheckpointError, check_params, convert, identity as _id, kv_bias as _kvb, kv_kernel as _kv,
-                      o_kernel as _o, q_bias as _qb, q_kernel as _q, transpose as _t)
+from .convert import (CheckpointError, check_params, convert, identity, kv_bias, kv_kernel, o_kernel, q_bias, q_kernel,
+                      transpose)
 from .draft import Draft, abstract_draft_params, check_aux_layers, check_compatible, init_draft, with_draft_vocab
 from .eagle3 import default_aux_layers
 from .model import Target, resolve_dtype
@@ -35,17 +35,17 @@ NAMED_DRAFTS = {"smollm2-135m-instruct": os.path.join(HEADS_DIR, "smollm2-135m-i
                 "smollm2-135m-instruct-eagle3": os.path.join(HEADS_DIR, "smollm2-135m-instruct-eagle3")}
 
 EAGLE_TABLE = (
-    (r"fc\.weight", "fc/kernel", _t),
-    (r"fc\.bias", "fc/bias", _id),
-    (r"layers\.0\.post_attention_layernorm\.weight", "layers_0/post_norm/scale", _id),
-    (r"layers\.0\.self_attn\.q_proj\.weight", "layers_0/attn/q/kernel", _q),
-    (r"layers\.0\.self_attn\.k_proj\.weight", "layers_0/attn/k/kernel", _kv),
-    (r"layers\.0\.self_attn\.v_proj\.weight", "layers_0/attn/v/kernel", _kv),
-    (r"layers\.0\.self_attn\.q_proj\.bias", "layers_0/attn/q/bias", _qb),
-    (r"layers\.0\.self_attn\.k_proj\.bias", "layers_0/attn/k/bias", _kvb),
-    (r"layers\.0\.self_attn\.v_proj\.bias", "layers_0/attn/v/bias", _kvb),
-    (r"layers\.0\.self_attn\.o_proj\.weight", "layers_0/attn/o/kernel", _o),
-    (r"layers\.0\.mlp\.(gate|up|down)_proj\.weight", "layers_0/mlp/{0}/kernel", _t),
+    (r"fc\.weight", "fc/kernel", transpose),
+    (r"fc\.bias", "fc/bias", identity),
+    (r"layers\.0\.post_attention_layernorm\.weight", "layers_0/post_norm/scale", identity),
+    (r"layers\.0\.self_attn\.q_proj\.weight", "layers_0/attn/q/kernel", q_kernel),
+    (r"layers\.0\.self_attn\.k_proj\.weight", "layers_0/attn/k/kernel", kv_kernel),
+    (r"layers\.0\.self_attn\.v_proj\.weight", "layers_0/attn/v/kernel", kv_kernel),
+    (r"layers\.0\.self_attn\.q_proj\.bias", "layers_0/attn/q/bias", q_bias),
+    (r"layers\.0\.self_attn\.k_proj\.bias", "layers_0/attn/k/bias", kv_bias),
+    (r"layers\.0\.self_attn\.v_proj\.bias", "layers_0/attn/v/bias", kv_bias),
+    (r"layers\.0\.self_attn\.o_proj\.weight", "layers_0/attn/o/kernel", o_kernel),
+    (r"layers\.0\.mlp\.(gate|up|down)_proj\.weight", "layers_0/mlp/{0}/kernel", transpose),
 )
 
 
@@ -59,16 +59,16 @@ def _kv2(w, c):
 
 # the published EAGLE-3 layout (the official code's and SGLang's key names); d2t / t2d / embed_tokens apart
 EAGLE3_TABLE = (
-    (r"fc\.weight", "fc/kernel", _t),
-    (r"midlayer\.input_layernorm\.weight", "layers_0/input_norm/scale", _id),
-    (r"midlayer\.hidden_norm\.weight", "layers_0/hidden_norm/scale", _id),
-    (r"midlayer\.post_attention_layernorm\.weight", "layers_0/post_norm/scale", _id),
+    (r"fc\.weight", "fc/kernel", transpose),
+    (r"midlayer\.input_layernorm\.weight", "layers_0/input_norm/scale", identity),
+    (r"midlayer\.hidden_norm\.weight", "layers_0/hidden_norm/scale", identity),
+    (r"midlayer\.post_attention_layernorm\.weight", "layers_0/post_norm/scale", identity),
     (r"midlayer\.self_attn\.q_proj\.weight", "layers_0/attn/q/kernel", _q2),
     (r"midlayer\.self_attn\.(k|v)_proj\.weight", "layers_0/attn/{0}/kernel", _kv2),
-    (r"midlayer\.self_attn\.o_proj\.weight", "layers_0/attn/o/kernel", _o),
-    (r"midlayer\.mlp\.(gate|up|down)_proj\.weight", "layers_0/mlp/{0}/kernel", _t),
-    (r"norm\.weight", "norm/scale", _id),
-    (r"lm_head\.weight", "lm_head", _t),
+    (r"midlayer\.self_attn\.o_proj\.weight", "layers_0/attn/o/kernel", o_kernel),
+    (r"midlayer\.mlp\.(gate|up|down)_proj\.weight", "layers_0/mlp/{0}/kernel", transpose),
+    (r"norm\.weight", "norm/scale", identity),
+    (r"lm_head\.weight", "lm_head", transpose),
 )
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # config key for the target layers feeding fc (optional)
 

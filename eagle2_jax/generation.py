@@ -37,6 +37,7 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     (load_target(..., abstract=True)). `gpu_graphs`: the decode loop's CUDA graphs on a GPU ("body",
     "loop" or "off", eagle2_jax.programs).
     """
+    gpu_graph_options(gpu_graphs)  # a bad mode fails here on every platform
     if tree is None or isinstance(tree, str):
         if tree not in (None, "auto"):
             raise ValueError(f"tree must be a TreeConfig, 'auto' or None, got {tree!r}")
@@ -49,7 +50,6 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
     if not isinstance(tree, TreeConfig):
         raise ValueError(f"tree must be a TreeConfig, 'auto' or None, got {tree!r}")
     check_compatible(draft.config, target.config)
-    gpu_graph_options(gpu_graphs)  # a bad mode fails here on every platform
     sampling = SamplingConfig(temperature, top_k, top_p)
     if tree.top_k > target.config.vocab_size:
         raise ValueError(f"tree top_k {tree.top_k} exceeds the vocabulary ({target.config.vocab_size})")

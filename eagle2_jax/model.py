@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .layers import (attend_beside, attend_within, cache_mask, causal_mask, decoder_layer, init_layers, rms_norm,
                      rope_tables, split_masks)
 from .defaults import default_dtype
+from .layer_list import per_layer
 from .ops import XLA, Ops, choose
 from .sharding import param_shardings, shard_params
 
@@ -227,16 +228,18 @@ def _init_params(module: Llama, key):
 
 def init_target(config: ModelConfig, seed: int = 0, dtype="auto", mesh=None, abstract: bool = False) -> Target:
     """A randomly initialised target (for tests and timing). With `abstract`, params are
-    jax.ShapeDtypeStruct leaves (sharded like real ones): nothing is allocated, for compiling only."""
+    jax.ShapeDtypeStruct leaves (sharded like real ones): nothing is allocated, for compiling only.
+    Its ops are the platform's, as a loaded target's (per-layer buffers where they say "list")."""
     dt = resolve_dtype(dtype)
     if abstract:
         params = abstract_target_params(config, dt)
         if mesh is not None:
             params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                             params, param_shardings(params, mesh))
-        return Target(config, params, None, dt, mesh)
-    params = shard_params(_init_params(Llama(config, dt), jax.random.PRNGKey(seed)), mesh)
-    return Target(config, params, None, dt, mesh, ops=choose(params, dt, mesh))
+    else:
+        params = shard_params(_init_params(Llama(config, dt), jax.random.PRNGKey(seed)), mesh)
+    target = Target(config, params, None, dt, mesh, ops=choose(params, dt, mesh))
+    return per_layer(target) if target.ops.layers == "list" else target
 
 
 def target_apply(module: Llama, params, tokens_BT, positions_BT, cache, local_mask_BTU, offset: int = 0,

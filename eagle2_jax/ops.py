@@ -134,7 +134,7 @@ def xla_for(platform: str) -> Ops:
 
 
 def query_rows(q_BTHD, K: int):
-    """[B, T, H, Dh] -> [B, K, G * T, Dh] float32, scaled: query rows m = g * T + t."""
+    """[B, T, H, Dh] -> [B, K, G * T, Dh] float32, scaled: query rows y = g * T + t."""
     B, T, H, Dh = q_BTHD.shape
     G = H // K
     q = q_BTHD.reshape(B, T, K, G, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, Dh)  # moved in its dtype
@@ -142,7 +142,7 @@ def query_rows(q_BTHD, K: int):
 
 
 def row_mask(mask_BTX, G: int):
-    """[B, T, X] -> [B, 1, G * T, X]: the mask of each query row m = g * T + t (`query_rows`)."""
+    """[B, T, X] -> [B, 1, G * T, X]: the mask of each query row y = g * T + t (`query_rows`)."""
     B, T, X = mask_BTX.shape
     return jnp.broadcast_to(mask_BTX[:, None], (B, G, T, X)).reshape(B, G * T, X)[:, None]
 
@@ -152,13 +152,13 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=Non
     """One float32 softmax over the cache slots and, when given, the new keys as a second block
     (no concatenated copy), normalised after the value products ([Dh] a query, not [slots]).
     The scores' layout (`Ops.scores`; same values in each):
-      "rows"  [B, K, M, slots] over query rows m = g * T + t (`query_rows`): the softmax reduces
+      "rows"  [B, K, Y, slots] over query rows y = g * T + t (`query_rows`): the softmax reduces
               along the minor axis, in the fewest kernels XLA's GPU compiler makes of it;
       "heads" [B, K, G, T, slots]: each KV head's G query heads as the query projection lays them
               out, so the queries are not moved into rows (XLA's TPU compiler folds the output's
               transpose into the products' layouts) and a [B, T, X] mask broadcasts inside the
               score kernel: fewer kernels than "rows" for XLA's TPU compiler;
-      "slots" [B, K, slots, M]: with few query rows XLA's CPU matmuls are several times faster.
+      "slots" [B, K, slots, Y]: with few query rows XLA's CPU matmuls are several times faster.
     (Kernel counts per layout and platform: docs/performance.md.)"""
     B, T, H, Dh = q_BTHD.shape
     K = k_BKSD.shape[1]
@@ -173,12 +173,12 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=Non
     if scores != "heads":
         q = query_rows(q_BTHD, K).astype(k_BKSD.dtype)  # the query takes the cache's dtype, as do the new keys / values
 
-        def masked(k, m):  # m: [B, T, X], or already [B, 1, M, X] (`Ops.loop_masks`)
+        def masked(k, m):  # m: [B, T, X], or already [B, 1, Y, X] (`Ops.loop_masks`)
             rows = m if m.ndim == 4 else row_mask(m, G)
             if scores == "slots":
-                return jnp.where(rows.swapaxes(2, 3), dot("bksd,bkmd->bksm", k, q), NEG_INF)
-            return jnp.where(rows, dot("bkmd,bksd->bkms", q, k), NEG_INF)
-        ax, pv = (2, "bksm,bksd->bkmd") if scores == "slots" else (3, "bkms,bksd->bkmd")
+                return jnp.where(rows.swapaxes(2, 3), dot("bksd,bkyd->bksy", k, q), NEG_INF)
+            return jnp.where(rows, dot("bkyd,bksd->bkys", q, k), NEG_INF)
+        ax, pv = (2, "bksy,bksd->bkyd") if scores == "slots" else (3, "bkys,bksd->bkyd")
     else:
         q = (q_BTHD.reshape(B, T, K, G, Dh).astype(f32) * (1.0 / math.sqrt(Dh))).astype(k_BKSD.dtype)
 
@@ -188,7 +188,7 @@ def attend_xla(q_BTHD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD=None, v_new_BKTD=Non
             return jnp.where(m[:, None, None], dot("btkgd,bksd->bkgts", q, k), NEG_INF)
         ax, pv = 4, "bkgts,bksd->bkgtd"
     s = [masked(k, m) for k, _, m in blocks]
-    top = functools.reduce(jnp.maximum, [jnp.max(x, axis=ax, initial=NEG_INF) for x in s])  # [B, K, M] / [B, K, G, T]
+    top = functools.reduce(jnp.maximum, [jnp.max(x, axis=ax, initial=NEG_INF) for x in s])  # [B, K, Y] / [B, K, G, T]
     p = [jnp.exp(x - jnp.expand_dims(top, ax)) for x in s]
     total = functools.reduce(jnp.add, [jnp.sum(x, axis=ax) for x in p])
     out = functools.reduce(jnp.add, [dot(pv, x, v) for x, (_, v, _) in zip(p, blocks)])

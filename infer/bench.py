@@ -139,7 +139,9 @@ def main(argv=None):
         elif m == "eagle":
             tree = tree_of(args, draft, target, [render(tok, [{"role": "user", "content": q["turns"][0]}])
                                                  for q in questions[:2]], batch=args.batch)
-            runners[m] = Ours(m, target, draft, tree, args)
+            if tree is None:  # the head's tree.json: no tree pays at this batch size, so EAGLE-2 decodes plainly
+                print(f"eagle: no tree pays at batch {args.batch} here; it decodes plainly", file=sys.stderr)
+            runners[m] = Ours(m, target, draft if tree is not None else None, tree, args)
         else:
             try:
                 runners[m] = HF(m, target, args, pld=(m == "hf-pld"))

@@ -213,6 +213,8 @@ def load_models(args, need_draft: bool = True, mesh=None):
         draft = None
         name = args.model if args.draft == "auto" else args.draft
         shipped = name in NAMED_DRAFTS and os.path.isdir(NAMED_DRAFTS[name])
+        if need_draft and args.draft == "auto" and not shipped and not name.startswith("random:"):
+            fail(f"EAGLE-2 needs a draft head: none is shipped for {args.model!r}; pass --draft")
         if args.draft != "none" and (need_draft or args.draft != "auto" or shipped or name.startswith("random:")):
             draft = e2.load_draft(name, target, dtype=getattr(args, "draft_dtype", None),
                                draft_vocab=not getattr(args, "full_draft_vocab", False))

@@ -68,7 +68,9 @@ def main(argv=None):
         fail("the model has no tokenizer; use the library API with token ids")
     texts = args.prompt or [DEFAULT_PROMPT]
     prompts = encode_prompts(tok, texts, args.raw)
-    tree = tree_of(args, draft, target, prompts, batch=len(prompts)) if draft is not None else None
+    # --mode eagle asks for a tree whatever the batch; auto follows the head's per-batch table
+    batch = None if args.mode == "eagle" else len(prompts)
+    tree = tree_of(args, draft, target, prompts, batch=batch) if draft is not None else None
     if draft is not None and tree is None:  # the head's tree.json: no tree pays at this batch size
         print(f"plain decoding: no tree pays at batch {len(prompts)} here ({draft.source}/tree.json)",
               file=sys.stderr)

@@ -1,16 +1,12 @@
 """The EAGLE-2 round's phases as standalone jitted programs, for the tools that time them
 (infer.roundcost) or read their compiled cost (infer.analytic). Each wraps the function the decode
-loop runs (eagle2_jax.eagle) as it is; each donates what it updates in place, as the loop does."""
+loop runs (eagle2_jax.eagle) as it is; each donates what it updates in place, as the loop does (JAX
+warns, harmlessly, about the state's scalars a phase leaves alone)."""
 from __future__ import annotations
-
-import warnings
 
 import jax
 
 from eagle2_jax import eagle
-
-# scalars of a donated state that a phase leaves alone cannot be reused; JAX would warn on every compile
-warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 
 def _draft(tp, dp, st, *, tm, dm, tree):

@@ -67,7 +67,8 @@ def parse(argv=None):
                          "quantity, so small batches borrow more prompts for it")
     ap.add_argument("--max-new-tokens", type=positive_int, default=256,
                     help="size the caches for generations of this length (attention reads the whole padded cache)")
-    add_backend_args(ap, attention=False, gpu_graphs=False)
+    add_backend_args(ap, gpu_graphs=False)  # --attention pallas: timed, or with --analytic lowered for the
+    # accelerator's platform (Triton for GPUs, Mosaic for TPUs; the kernel counts by its cost estimate)
     ap.add_argument("--out", type=writable_dir, default="runs/bench/roundcost",
                     help="output directory for roundcost.json / .md / .png (default runs/bench/roundcost)")
     an = ap.add_argument_group("analytic (--analytic: cost analysis of the lowered programs, nothing runs)")
@@ -80,10 +81,6 @@ def parse(argv=None):
                     help="peak bandwidth and bf16 FLOP/s for the roofline (infer/analytic/)")
     an.add_argument("--draft-vocab", type=nonneg_int, default=32000,
                     help="draft vocabulary size (frequency-ranked ids; 0: the full vocabulary)")
-    an.add_argument("--attention", choices=["xla", "pallas"], default="xla",
-                    help="pallas: the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered "
-                         "for the accelerator's platform (Triton for GPUs, Mosaic for TPUs); the kernel counts by its "
-                         "cost estimate, kernels are not counted")
     an.add_argument("--compile-for", choices=list(COMPILE_TARGETS), default=None,
                     help="also compile the programs with XLA's compiler for that GPU or TPU, here, with none attached "
                          "(a deviceless topology; run with JAX_PLATFORMS=cpu; a GPU needs the CUDA plugin matching jax, "

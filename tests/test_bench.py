@@ -39,7 +39,7 @@ def fake_bench(tmp_path, monkeypatch, n, runner=FakeRunner, categories=1):
     monkeypatch.setattr(eagle2_jax, "load_target", lambda *a, **k: target)
     monkeypatch.setattr(eagle2_jax, "load_draft", lambda *a, **k: None)
     monkeypatch.setattr(bench, "Ours", runner)
-    monkeypatch.setattr(bench, "tree_of", lambda *a: eagle2_jax.TreeConfig(2, 2, 4))
+    monkeypatch.setattr(bench, "tree_of", lambda *a, **k: eagle2_jax.TreeConfig(2, 2, 4))
     return q
 
 

@@ -18,14 +18,14 @@ def cache(tmp_path, monkeypatch):
 def test_gguf_index_and_tokenizer_match_the_file(cache):
     import gguf
     from eagle2_jax import file_cache
-    from eagle2_jax.gguf_files import gguf_config, gguf_reader as _gguf_reader, open_gguf as _open_gguf
-    from eagle2_jax.registry import smollm2_gguf as _smollm2_gguf
-    path = _smollm2_gguf()
+    from eagle2_jax.gguf_files import gguf_config, gguf_reader, open_gguf
+    from eagle2_jax.registry import smollm2_gguf
+    path = smollm2_gguf()
     reader = gguf.GGUFReader(path)
-    first = _gguf_reader(path)  # parses the file and writes the entry
+    first = gguf_reader(path)  # parses the file and writes the entry
     assert (file_cache.entry(path) / "index.json").exists()
     opened = []
-    second = file_cache.gguf_index(path, lambda p: opened.append(p) or _open_gguf(p))
+    second = file_cache.gguf_index(path, lambda p: opened.append(p) or open_gguf(p))
     assert not opened  # from the cache
     assert gguf_config(second, path) == gguf_config(first, path)
     assert second.field("tokenizer.ggml.tokens#count") == len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -94,8 +94,8 @@ def test_shipped_tokenizer_equals_the_gguf_conversion(cache):
     """load_target('smollm2-135m-instruct') takes its tokenizer from eagle2_jax/targets (no torch needed);
     it must be the tokenizer transformers converts from the GGUF."""
     from transformers import AutoTokenizer
-    from eagle2_jax.registry import NAMED_TOKENIZERS, shipped_tokenizer, smollm2_gguf as _smollm2_gguf
-    path = _smollm2_gguf()
+    from eagle2_jax.registry import NAMED_TOKENIZERS, shipped_tokenizer, smollm2_gguf
+    path = smollm2_gguf()
     ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tok = shipped_tokenizer(NAMED_TOKENIZERS["smollm2-135m-instruct"])
     assert tok.get_vocab() == ref.get_vocab()
@@ -115,8 +115,8 @@ def test_gguf_tokenizer_without_torch_fails_first_and_clearly(cache, monkeypatch
     import importlib.util
     from eagle2_jax import CheckpointError
     from eagle2_jax.gguf_files import load_gguf
-    from eagle2_jax.registry import smollm2_gguf as _smollm2_gguf
+    from eagle2_jax.registry import smollm2_gguf
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(CheckpointError, match="needs PyTorch"):
-        load_gguf(_smollm2_gguf(), tokenizer=True)  # a fresh cache: nothing converted yet
+        load_gguf(smollm2_gguf(), tokenizer=True)  # a fresh cache: nothing converted yet

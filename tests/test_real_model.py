@@ -18,8 +18,8 @@ CHATS = ["What is the capital of France?", "Write a Python function that reverse
 def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
-    from eagle2_jax.registry import smollm2_gguf as _smollm2_gguf
-    path = _smollm2_gguf()
+    from eagle2_jax.registry import smollm2_gguf
+    path = smollm2_gguf()
     return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                 dtype=torch.float32).eval()
 

@@ -1,4 +1,4 @@
-"""rerank, accept_greedy and accept_sampling against a slow NumPy reference written from DESIGN.md §1.
+"""rerank, accept_greedy and accept_sampling against a slow NumPy reference written from the design notes (shared/docs/DESIGN.md, section 1).
 
 What is compared:
 - rerank (step 3): on random valid pools laid out as expand lays them out (level-major; the root's
@@ -42,7 +42,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Heal
 
 
 # ---------------------------------------------------------------------------------------------
-# The reference (NumPy / plain Python), from DESIGN.md §1
+# The reference (NumPy / plain Python), from the design notes (shared/docs/DESIGN.md, section 1)
 # ---------------------------------------------------------------------------------------------
 
 def ref_chain(parents, i):

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..convert import (GGUF_TABLE, CheckpointError, check_params, convert, unflatten,
-                       unpermute as _unpermute)
+                       unpermute)
 from ..model import abstract_target_params
 from ..sharding import path_str
 from . import kernels, packed
@@ -64,7 +64,7 @@ def _packed_params(reader, config: ModelConfig, path: str, rest_loader) -> dict:
                 q, d, mn = packed.q4_1_blocks(t.data, rows, cols)
                 heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(m.group(2))
                 if heads:  # undo llama.cpp's RoPE row order, as the GGUF table's transforms do
-                    q, d, mn = (_unpermute(a, heads) for a in (q, d, mn))
+                    q, d, mn = (unpermute(a, heads) for a in (q, d, mn))
                 leaf = packed.pack_q4(q.T, d.T, mn.T, lanes)
                 name = _Q4_NAMES[m.group(2)]
                 shape = expected["layers"][name.split("/")[0]][name.split("/")[1]]["kernel"].shape[1:]

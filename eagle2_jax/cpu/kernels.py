@@ -194,15 +194,15 @@ def matmul(x, w, transpose_w: bool = False, layer=None):
     return _matmul(x, w, transpose_w, layer)
 
 
-def attention(q_BKMD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, layer=None):
-    """Attention of M = G * T query rows (row m = g * T + t, already scaled) per KV head over the
+def attention(q_BKYD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, layer=None):
+    """Attention of Y = G * T query rows (row y = g * T + t, already scaled) per KV head over the
     unmasked cache slots and new keys, float32, through the kernel (no gradient: see cpu.ops).
     Each row sums over its unmasked keys in one fixed order (cache slots, then new keys), so its
     result does not depend on the other rows or on padded slots; a row with no key gets zeros.
     With `layer`, the caches are stacks [L, B, K, S, Dh] read at slice `layer` in place."""
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q_BKMD.shape, jnp.float32),
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q_BKYD.shape, jnp.float32),
                             vmap_method="sequential")
-    return call(q_BKMD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, _layer(layer))
+    return call(q_BKYD, k_BKSD, v_BKSD, mask_BTS, k_new_BKTD, v_new_BKTD, mask_new_BTT, _layer(layer))
 
 
 def _plan(lhs, rhs, dimension_numbers):

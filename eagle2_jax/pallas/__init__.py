@@ -60,15 +60,19 @@ class PallasOps(core_ops.Ops):
                              check_vma=False)(*args)
 
 
-def ops_for(mesh=None, backend: Optional[str] = None) -> PallasOps:
+def ops_for(mesh=None, backend: Optional[str] = None, layers: Optional[str] = None) -> PallasOps:
+    """The kernel's ops for `backend` (default: this machine's); `layers` (default: the platform's
+    XLA path's, `ops.xla_for`) is how the target's layers run."""
     backend = backend or _backend()
-    return PallasOps(backend=backend, mesh=mesh if mesh is not None and mesh.size > 1 else None,
+    layers = layers or core_ops.xla_for({"interpret": "cpu"}.get(backend, backend)).layers
+    return PallasOps(backend=backend, mesh=mesh if mesh is not None and mesh.size > 1 else None, layers=layers,
                      scores=core_ops.xla_for(backend).scores)  # (its XLA fallback's score layout)
 
 
 def use(target, draft=None, backend: Optional[str] = None):
-    """(target, draft) computing attention with the kernel (the draft too, when given)."""
-    ops = ops_for(target.mesh, backend)
+    """(target, draft) computing attention with the kernel (the draft too, when given); the target's
+    layers keep running as they were loaded (`Ops.layers`)."""
+    ops = ops_for(target.mesh, backend, layers=target.ops.layers)
     target = dataclasses.replace(target, ops=ops)
     return (target, None if draft is None else dataclasses.replace(draft, ops=ops))
 
