@@ -13,7 +13,9 @@ The tree for each batch maximises expected tokens/s: measured greedy tokens per 
 measured round time. Tokens per round come from a walk of --calibration-rounds real rounds with the
 largest tree, read for every smaller size at the same states (eagle2_jax.autotune.calibrate); the
 draft's own estimate (1 + the sum of the N-1 best exp(scores)) is shown beside it.
-Writes roundcost.json, roundcost.md and roundcost.png under --out. Times are the best of
+Writes roundcost.json, roundcost.md and roundcost.png under --out, and prints the per-batch table a
+head's tree.json takes ("by_batch": the best tree size per batch, or "plain" where none beats plain
+decoding; eagle2_jax.defaults). Times are the best of
 --repeats runs (compile excluded).
 
 With --analytic nothing runs: for each batch and tree size it prints per-round bytes, FLOPs and
@@ -214,6 +216,18 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     return rows
 
 
+def by_batch(rows) -> dict:
+    """The per-batch table of a head's tree.json (eagle2_jax.defaults): for each batch size the tree
+    size with the best expected tokens/s, or "plain" where plain decoding's measured tokens/s beats
+    every tree's."""
+    table = {}
+    for bsz in sorted({r["batch"] for r in rows}):
+        rs = [r for r in rows if r["batch"] == bsz]
+        best = max(rs, key=lambda r: r["tokens_per_s"])
+        table[str(bsz)] = best["total_tokens"] if best["tokens_per_s"] > best["plain_tokens_per_s"] else "plain"
+    return table
+
+
 def write(rows, out, figure=True):
     os.makedirs(out, exist_ok=True)
     best = {}
@@ -221,7 +235,8 @@ def write(rows, out, figure=True):
         if r["batch"] not in best or r["tokens_per_s"] > best[r["batch"]]["tokens_per_s"]:
             best[r["batch"]] = r
     with open(os.path.join(out, "roundcost.json"), "w") as f:
-        json.dump({"rows": rows, "chosen": {str(k): v for k, v in best.items()}}, f, indent=1)
+        json.dump({"rows": rows, "chosen": {str(k): v for k, v in best.items()}, "by_batch": by_batch(rows)}, f,
+                  indent=1)
     lines = ["| batch | depth/top_k | N | draft ms | verify ms | accept ms | round ms | plain step ms | "
              "tau (measured) | tau (draft estimate) | expected tok/s | plain tok/s |", "|" + "---|" * 12]
     for r in rows:
@@ -274,6 +289,7 @@ def main(argv=None):
                         args.calibration_rounds, calib, args.parts,
                         on_row=lambda rs: write(done + rs, args.out, figure=False))
     print("\n".join(write(rows, args.out)))
+    print(f"per-batch table for the head's tree.json (\"by_batch\"): {json.dumps(by_batch(rows))}")
     print(f"wrote {args.out}/roundcost.json, roundcost.md, roundcost.png")
 
 

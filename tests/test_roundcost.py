@@ -50,3 +50,12 @@ def test_unknown_random_shape_is_refused():
     from eagle2_jax import CheckpointError, load_target
     with pytest.raises(CheckpointError, match="random:llama-3.1-8b"):
         load_target("random:no-such-shape")
+
+
+def test_by_batch_takes_the_best_tree_or_plain_where_none_beats_it():
+    from infer.roundcost import by_batch
+    rows = [dict(batch=1, total_tokens=2, tokens_per_s=60.0, plain_tokens_per_s=55.0),
+            dict(batch=1, total_tokens=4, tokens_per_s=58.0, plain_tokens_per_s=55.0),
+            dict(batch=8, total_tokens=2, tokens_per_s=90.0, plain_tokens_per_s=170.0),
+            dict(batch=8, total_tokens=4, tokens_per_s=80.0, plain_tokens_per_s=170.0)]
+    assert by_batch(rows) == {"1": 2, "8": "plain"}
