@@ -185,11 +185,13 @@ STEP = Program(_step, ("tmodule", "dmodule", "tree"))
 STREAM_STEP = Program(_step, ("tmodule", "dmodule", "tree"), donate=("st",))
 
 
-def program_inputs(target: Target, draft: Draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree):
-    """The padded batch, the dynamic arguments and the static settings of PREFILL (LOOP takes its state)."""
+def program_inputs(target: Target, draft: Draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree,
+                   cache_len: Optional[int] = None):
+    """The padded batch, the dynamic arguments and the static settings of PREFILL (LOOP takes its state);
+    `cache_len`: a fixed cache bucket (a serving engine's), else the prompts' own."""
     b = prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
                       max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree),
-                      batch_multiple=batch_multiple(target.mesh))
+                      batch_multiple=batch_multiple(target.mesh), cache_len=cache_len)
     prompt, plen, active = device_inputs(target, b)
     args = (target.params, draft.params, prompt, plen, active, np.int32(max_new_tokens),  # numpy: replicated
             np.int32(eos_value(eos_token_id)), np.uint32(seed), SamplingParams.of(sampling))
