@@ -269,6 +269,7 @@ def test_eagle2_export_holds_the_embedding_for_the_strict_loader(tmp_path):
                zip(jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(d.params)))
 
 
+@pytest.mark.optimized  # ~100k samples: running, not compiling (tests/conftest.py)
 def test_eagle3_sampling_matches_target_distribution():
     """The chi-square check of tests/test_sampling_lossless.py with an EAGLE-3 head drafting."""
     from eagle2_jax.config import SamplingConfig

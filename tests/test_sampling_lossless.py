@@ -79,6 +79,7 @@ CASES = [(tree, temp, top_p) if (tree, temp, top_p) in _DEFAULT else
          for tree in TREES for temp in (0.7, 1.0) for top_p in (1.0, 0.8)]
 
 
+@pytest.mark.optimized  # ~100k samples a test: running, not compiling (tests/conftest.py)
 @pytest.mark.parametrize("tree,temperature,top_p", CASES)
 def test_sampling_matches_target_distribution(pair, tree, temperature, top_p):
     t, d = pair
@@ -88,6 +89,7 @@ def test_sampling_matches_target_distribution(pair, tree, temperature, top_p):
     assert p > P_THRESHOLD, f"chi2={stat:.1f} on {k} dof, p={p:.2e}"
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("path", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
 def test_sampling_on_the_accelerator_paths_matches_target_distribution(pair, path):
     """The same check on the GPU path (`ops.XLA`, per-layer weight buffers: tree verification
@@ -121,6 +123,7 @@ def _no_residual(logits_V, tokens_N, parents_N, cur, key):
     return jax.random.categorical(key, logits_V).astype(jnp.int32)
 
 
+@pytest.mark.optimized
 @pytest.mark.parametrize("name,broken", [("_walk_row", _always_accept),
                                          pytest.param("_bonus_row", _no_residual, marks=pytest.mark.slow)],
                          ids=["always_accept", "no_residual"])
@@ -197,6 +200,7 @@ def _categorical_counts(logits, n, seed=0):
     return np.bincount(draws, minlength=logits.shape[0])
 
 
+@pytest.mark.optimized  # 200,000 draws
 def test_two_level_categorical_matches_softmax():
     """sampling.categorical (one uniform, block then token) against exact softmax probabilities, over
     several 128-token blocks, a filtered (NEG_INF) block, filtered tokens inside live blocks and a

@@ -37,14 +37,15 @@ from ..sharding import to_host
 from .programs import INSERT, RETIRE, ROUNDS
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Request:
-    """One request's progress; `tokens` grows as the engine hands them out."""
+    """One request's progress; `tokens` grows as the engine hands them out (compared by identity)."""
     id: int
     prompt: list
     max_new_tokens: int
     stop_ids: tuple = ()
     on_tokens: Optional[Callable[[list], None]] = None
+    on_done: Optional[Callable[[], None]] = None  # for a caller waiting on another thread
     tokens: list = dataclasses.field(default_factory=list)
     accept_lengths: list = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None  # "stop" (EOS or a stop id), "length", "cancelled"
@@ -80,7 +81,8 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-               on_tokens: Optional[Callable[[list], None]] = None) -> Request:
+               on_tokens: Optional[Callable[[list], None]] = None,
+               on_done: Optional[Callable[[], None]] = None) -> Request:
         """Queue a request (token ids); bad input raises ValueError at once, nothing queued."""
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -93,7 +95,8 @@ class Engine:
         V = self.target.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= V:
             raise ValueError(f"the prompt has token ids outside [0, {V})")
-        r = Request(next(self._ids), prompt, int(max_new_tokens), tuple(int(s) for s in stop_ids), on_tokens)
+        r = Request(next(self._ids), prompt, int(max_new_tokens), tuple(int(s) for s in stop_ids), on_tokens,
+                    on_done)
         self.queue.append(r)
         return r
 
