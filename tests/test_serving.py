@@ -3,13 +3,14 @@
 A greedy request's tokens equal plain decoding of its prompt alone, whatever else is in the batch
 and whenever it arrived; after warm-up nothing compiles; cancelled and stopped requests free their
 slots."""
+import jax
 import pytest
 
 import eagle2_jax as e2
 from eagle2_jax.eagle import PREFILL
 from eagle2_jax.serving import Engine
 from eagle2_jax.serving.programs import INSERT, RETIRE, ROUNDS
-from helpers import permutation_oracle
+from helpers import permutation_oracle, tiny_config
 
 TREE = e2.TreeConfig(3, 2, 6)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [3], [5, 6, 7, 8],
@@ -77,3 +78,19 @@ def test_bad_requests_fail_at_once_and_queue_nothing(pair):
         with pytest.raises(ValueError, match=what):
             engine.submit(prompt, n)
     assert not engine.queue
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
+def test_sharded_serving_gives_the_same_tokens():
+    """The engine over an 8-device mesh (rows on "data", heads and MLP width on "model") serves the
+    tokens plain decoding gives on one device."""
+    cfg = tiny_config(num_attention_heads=8, num_key_value_heads=4, hidden_size=64, intermediate_size=128)
+    t = e2.init_target(cfg, 0)
+    want = [e2.generate_vanilla(t, [p], max_new_tokens=n).tokens[0] for p, n in zip(PROMPTS, MAX_NEW)]
+    ts = e2.init_target(cfg, 0, mesh=e2.make_mesh(2, 4))
+    engine = Engine(ts, e2.init_draft(ts, 1), slots=4, max_len=64, tree=TREE, rounds_per_dispatch=3)
+    reqs = [engine.submit(p, n) for p, n in zip(PROMPTS[:4], MAX_NEW[:4])]
+    engine.step()
+    reqs += [engine.submit(p, n) for p, n in zip(PROMPTS[4:], MAX_NEW[4:])]
+    engine.run(max_steps=500)
+    assert [r.tokens for r in reqs] == want
