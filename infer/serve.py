@@ -25,9 +25,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from tqdm import tqdm
 
+import eagle2_jax as e2
 from eagle2_jax.programs import enable_compile_cache
-from eagle2_jax.serving import Engine
-from infer.cli import Parser, add_backend_args, add_model_args, load_models, positive_int
+from eagle2_jax.serving import Engine, compile_programs
+from infer.cli import Parser, add_backend_args, add_model_args, fail, load_models, positive_int
 
 
 class OpenAIError(Exception):
@@ -305,13 +306,30 @@ def build_parser() -> Parser:
                     help="longest prompt + max_tokens a request may ask for (default 1024)")
     ap.add_argument("--rounds-per-dispatch", type=positive_int, default=8,
                     help="EAGLE-2 rounds per device dispatch before new arrivals are admitted (default 8)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile every program the server runs for --model's shape without weights (random:<shape> "
+                         "or a config.json: abstract params, nothing allocated) into the persistent compile cache, "
+                         "then exit: warms a cache before a deployment")
     add_backend_args(ap, attention=False, gpu_graphs=False)
     return ap
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    enable_compile_cache()
+    cache = enable_compile_cache()
+    if args.compile_only:
+        try:
+            target = e2.load_target(args.model, dtype=args.dtype, abstract=True, tokenizer=False,
+                                    layers=None if args.layer_layout == "auto" else args.layer_layout)
+            draft = e2.init_draft(target) if args.draft in ("auto", "random") else e2.load_draft(args.draft, target)
+        except (e2.CheckpointError, ValueError) as e:
+            fail(str(e))
+        bar = tqdm(desc="compiling", unit="program")
+        n = compile_programs(target, draft, slots=args.max_batch, max_len=args.max_model_len,
+                             progress=lambda what: bar.update(1))
+        bar.close()
+        print(f"compiled {n} programs for {args.model}" + (f" into {cache}" if cache else ""))
+        return
     target, draft = load_models(args, need_draft=True)
     if target.tokenizer is None:
         raise SystemExit("error: the model has no tokenizer: serve a named model, an HF directory or a .gguf")

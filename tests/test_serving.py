@@ -94,3 +94,15 @@ def test_sharded_serving_gives_the_same_tokens():
     reqs += [engine.submit(p, n) for p, n in zip(PROMPTS[4:], MAX_NEW[4:])]
     engine.run(max_steps=500)
     assert [r.tokens for r in reqs] == want
+
+
+def test_compile_only_for_a_shape_without_weights():
+    """Every engine program compiles from abstract params (nothing allocated), as `infer.serve
+    --compile-only` does for a deployment's shape."""
+    from eagle2_jax.serving import compile_programs
+    cfg = tiny_config(num_hidden_layers=3)
+    t = e2.init_target(cfg, abstract=True)
+    d = e2.init_draft(t)
+    assert t.abstract
+    n = compile_programs(t, d, slots=2, max_len=40, tree=TREE)
+    assert n == 1 + 1 + 3 + 1 + 1  # the slots' prefill, retire, prompt buckets 16, 32 and 64, insert, rounds

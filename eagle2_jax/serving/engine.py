@@ -193,3 +193,35 @@ class Engine:
                 stopped.append(slot)
         if stopped:
             self._retire(stopped)
+
+
+def compile_programs(target: Target, draft: Draft, *, slots: int = 4, max_len: int = 1024,
+                     tree: Optional[TreeConfig] = None, sampling: SamplingConfig = SamplingConfig(),
+                     eos_token_id: Optional[int] = None, progress: Optional[Callable[[str], None]] = None) -> int:
+    """Compile every program an Engine with these settings runs, without running any: for abstract
+    params (load_target(..., abstract=True)), e.g. to fill a persistent compile cache before a
+    deployment. Returns how many programs were compiled."""
+    tree = tree if tree is not None else resolve_tree(draft)
+    S = next_pow2(slots)
+    cache_len = cache_bucket(max(max_len + scratch_slots(tree), MIN_PROMPT_BUCKET))
+    count = 0
+
+    def compile_(program, *args, what, **static):
+        nonlocal count
+        exe = program.compile(*args, **static)
+        count += 1
+        if progress:
+            progress(what)
+        return exe.out_info
+
+    def prefill(prompts):
+        _, args, static = program_inputs(target, draft, prompts, 1, eos_token_id, 0, sampling, tree, cache_len=cache_len)
+        return compile_(PREFILL, *args, what=f"prefill {len(prompts[0])}", **static)
+    state = prefill([[0]] * S)
+    compile_(RETIRE, state, np.ones(S, bool), what="retire")
+    for p in sorted({next_pow2(n, MIN_PROMPT_BUCKET) for n in range(1, max_len)}):
+        one = prefill([[0] * min(p, max_len - 1)])
+    compile_(INSERT, state, one, np.int32(0), what="insert")
+    compile_(ROUNDS, target.params, draft.params, state, SamplingParams.of(sampling), np.int32(0), what="rounds",
+             tmodule=target.module, dmodule=draft.module, tree=tree)
+    return count
