@@ -197,8 +197,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64)
 
         def on_tokens(new):
             loop.call_soon_threadsafe(chunks.put_nowait, list(new))
-        try:
-            r = worker.submit(ids, body.get("max_tokens", body.get("max_completion_tokens",
+        try:  # in a thread: the engine holds its lock for a whole dispatch, the event loop must not wait
+            r = await asyncio.to_thread(worker.submit, ids, body.get("max_tokens", body.get("max_completion_tokens",
                                                                    16 if endpoint == "completions" else 256)),
                               [eos] if eos is not None else [], on_tokens,
                               lambda: loop.call_soon_threadsafe(chunks.put_nowait, None))
@@ -224,8 +224,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64)
             text = tokenizer.decode(state["tokens"], skip_special_tokens=True)
             cut = min((text.find(s) for s in stops if s in text), default=-1)
             if cut >= 0:  # a stop string: the text ends before it (as OpenAI cuts), the request stops
+                await asyncio.to_thread(worker.cancel, r)
                 text, state["finish"] = text[:cut], "stop"
-                worker.cancel(r)
             fresh = text[state["sent"]:] if not text.endswith("\ufffd") else ""
             state["sent"] += len(fresh)
             state["text"] = text[:state["sent"]]
@@ -241,7 +241,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64)
                     if await advance() is None:
                         break
             except asyncio.CancelledError:
-                worker.cancel(r)
+                await asyncio.to_thread(worker.cancel, r)
                 raise
             if endpoint == "chat":
                 choice = {"index": 0, "message": {"role": "assistant", "content": state["text"]},
@@ -275,9 +275,13 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64)
                     if fresh:
                         yield event(fresh)
                     if await req.is_disconnected():
-                        worker.cancel(r)
+                        await asyncio.to_thread(worker.cancel, r)
                         return
                 yield event(None, state["finish"])
+                if (body.get("stream_options") or {}).get("include_usage"):  # OpenAI's last chunk: usage only
+                    yield "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk" if endpoint == "chat"
+                                                 else "text_completion", "created": created, "model": model_name,
+                                                 "choices": [], "usage": usage()}) + "\n\n"
                 yield "data: [DONE]\n\n"
             finally:
                 if not r.finished:  # the client went away mid-stream
@@ -304,8 +308,9 @@ def build_parser() -> Parser:
     ap.add_argument("--max-batch", type=positive_int, default=4, help="slots decoded together (default 4)")
     ap.add_argument("--max-model-len", type=positive_int, default=1024,
                     help="longest prompt + max_tokens a request may ask for (default 1024)")
-    ap.add_argument("--rounds-per-dispatch", type=positive_int, default=8,
-                    help="EAGLE-2 rounds per device dispatch before new arrivals are admitted (default 8)")
+    ap.add_argument("--rounds-per-dispatch", type=positive_int, default=4,
+                    help="EAGLE-2 rounds per device dispatch before new arrivals are admitted and tokens are sent "
+                         "(default 4)")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile every program the server runs for --model's shape without weights (random:<shape> "
                          "or a config.json: abstract params, nothing allocated) into the persistent compile cache, "
