@@ -157,7 +157,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64)
         m = body.get("max_tokens", body.get("max_completion_tokens", 16 if endpoint == "completions" else 256))
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             raise OpenAIError(400, f"max_tokens must be a positive integer, got {m!r}", "max_tokens")
-        return body
+        return {**body, "max_tokens": m}  # the limit as checked, whichever field or default gave it
 
     def encode(body: dict, endpoint: str) -> list:
         if endpoint == "chat":
@@ -198,10 +198,9 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64)
         def on_tokens(new):
             loop.call_soon_threadsafe(chunks.put_nowait, list(new))
         try:  # in a thread: the engine holds its lock for a whole dispatch, the event loop must not wait
-            r = await asyncio.to_thread(worker.submit, ids, body.get("max_tokens", body.get("max_completion_tokens",
-                                                                   16 if endpoint == "completions" else 256)),
-                              [eos] if eos is not None else [], on_tokens,
-                              lambda: loop.call_soon_threadsafe(chunks.put_nowait, None))
+            r = await asyncio.to_thread(worker.submit, ids, body["max_tokens"],
+                                        [eos] if eos is not None else [], on_tokens,
+                                        lambda: loop.call_soon_threadsafe(chunks.put_nowait, None))
         except ValueError as e:
             metrics["requests"].labels(endpoint, "400").inc()
             raise OpenAIError(400, str(e), "max_tokens")

@@ -37,6 +37,19 @@ from ..sharding import to_host
 from .programs import INSERT, RETIRE, ROUNDS
 
 
+def engine_cache_len(max_len: int, tree: TreeConfig) -> int:
+    """The one cache bucket of an engine whose requests fit max_len (prompt + max_tokens) and a round's
+    scratch slots."""
+    return cache_bucket(max(max_len + scratch_slots(tree), MIN_PROMPT_BUCKET))
+
+
+def bucket_prompts(max_len: int) -> list:
+    """One dummy prompt per prompt bucket a request of at most max_len - 1 prompt tokens can fall in:
+    prefilling them compiles every prefill program the engine can need."""
+    sizes = sorted({next_pow2(n, MIN_PROMPT_BUCKET) for n in range(1, max_len)})
+    return [[0] * min(p, max_len - 1) for p in sizes]
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request's progress; `tokens` grows as the engine hands them out (compared by identity)."""
@@ -68,7 +81,7 @@ class Engine:
         self.tree = tree if tree is not None else resolve_tree(draft)
         self.sampling, self.eos = sampling, eos_token_id
         self.slots, self.max_len, self.k = next_pow2(slots), max_len, rounds_per_dispatch
-        self.cache_len = cache_bucket(max(max_len + scratch_slots(self.tree), MIN_PROMPT_BUCKET))
+        self.cache_len = engine_cache_len(max_len, self.tree)
         self.seed = seed
         self.queue: collections.deque = collections.deque()
         self.running: dict = {}  # slot -> Request
@@ -138,11 +151,10 @@ class Engine:
     def warmup(self, progress: Optional[Callable[[str], None]] = None) -> None:
         """Compile every program a run can need now: the prefill of each prompt bucket up to max_len,
         the insert, the rounds and the retire programs (with a zero-row effect: nothing changes)."""
-        buckets = sorted({next_pow2(n, MIN_PROMPT_BUCKET) for n in range(1, self.max_len)})
-        for p in buckets:
-            one = self._prefill([[0] * min(p, self.max_len - 1)], 1, self.seed)
+        for prompt in bucket_prompts(self.max_len):
+            one = self._prefill([prompt], 1, self.seed)
             if progress:
-                progress(f"prefill {p}")
+                progress(f"prefill {len(prompt)}")
         self.state = INSERT(self.state, one, np.int32(0))
         self.state = RETIRE(self.state, np.ones(self.slots, bool))
         self.state = ROUNDS(self.target.params, self.draft.params, self.state, SamplingParams.of(self.sampling),
@@ -203,7 +215,7 @@ def compile_programs(target: Target, draft: Draft, *, slots: int = 4, max_len: i
     deployment. Returns how many programs were compiled."""
     tree = tree if tree is not None else resolve_tree(draft)
     S = next_pow2(slots)
-    cache_len = cache_bucket(max(max_len + scratch_slots(tree), MIN_PROMPT_BUCKET))
+    cache_len = engine_cache_len(max_len, tree)
     count = 0
 
     def compile_(program, *args, what, **static):
@@ -219,8 +231,8 @@ def compile_programs(target: Target, draft: Draft, *, slots: int = 4, max_len: i
         return compile_(PREFILL, *args, what=f"prefill {len(prompts[0])}", **static)
     state = prefill([[0]] * S)
     compile_(RETIRE, state, np.ones(S, bool), what="retire")
-    for p in sorted({next_pow2(n, MIN_PROMPT_BUCKET) for n in range(1, max_len)}):
-        one = prefill([[0] * min(p, max_len - 1)])
+    for prompt in bucket_prompts(max_len):
+        one = prefill([prompt])
     compile_(INSERT, state, one, np.int32(0), what="insert")
     compile_(ROUNDS, target.params, draft.params, state, SamplingParams.of(sampling), np.int32(0), what="rounds",
              tmodule=target.module, dmodule=draft.module, tree=tree)
