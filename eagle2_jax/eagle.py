@@ -117,17 +117,21 @@ def verify_tree(tmodule: Llama, tparams, dmodule: EagleDraft, st: EagleState, t:
 
 
 def accept_and_commit(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState, t: Tree,
-                      v: Verified, dcache: KVCache, sampling: SamplingParams, tree: TreeConfig) -> EagleState:
-    """Phase 3, accept and commit: the longest correct path (greedy or lossless sampling), its target
-    keys/values compacted after the committed prefix, its tokens and the bonus emitted, and the draft
-    caught up on them. Rows already done keep their state."""
+                      v: Verified, dcache: KVCache, sampling: SamplingParams, max_accept: int,
+                      catch_up: bool = True) -> EagleState:
+    """Phase 3, accept and commit: the longest correct path (greedy or lossless sampling; at most
+    `max_accept` tokens, a TreeConfig's), its target keys/values compacted after the committed
+    prefix, its tokens and the bonus emitted, and the draft caught up on them (`catch_up` False: a
+    server that never drafts leaves the draft behind). Rows already done keep their state."""
     B = st.root_B.shape[0]
-    C = tree.max_accept
+    C = max_accept
     active = ~st.done_B
-    if sampling.greedy:
-        path, n_acc, bonus = accept_greedy(t, v.logits_BNV, C)
-    else:
-        path, n_acc, bonus = accept_sampling(t, v.logits_BNV, step_keys(st.keys_B, st.step), C, sampling)
+    path, n_acc, bonus = accept_greedy(t, v.logits_BNV, C)
+    if not sampling.greedy:  # per row: a greedy row (temperature 0) keeps the greedy path
+        drawn = accept_sampling(t, v.logits_BNV, step_keys(st.keys_B, st.rounds_B + 1), C, sampling)
+        g = jnp.broadcast_to(sampling.greedy_rows(n_acc), n_acc.shape)
+        path, n_acc, bonus = (jnp.where(g.reshape(g.shape + (1,) * (a.ndim - 1)), a, b)
+                              for a, b in zip((path, n_acc, bonus), drawn))
     n_acc = jnp.where(active, n_acc, 0)
     tcache = compact(v.tcache, path, n_acc)
     # the accepted draft tokens (the path after its root), then the bonus
@@ -137,8 +141,11 @@ def accept_and_commit(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st:
     new_tok = jnp.where(d == (n_acc - 1)[:, None], bonus[:, None], nxt)
     out, n_out, done, _ = emit(st.out_BM, st.n_out_B, st.done_B, new_tok, n_acc, st.max_new_B, st.eos)
     # catch-up: pairs (feature of path node d, token after it)
-    path_feat = jnp.take_along_axis(v.features_BND, path[:, :, None], axis=1, mode="promise_in_bounds")
-    hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, new_tok, path_feat, n_acc)
+    if catch_up:
+        path_feat = jnp.take_along_axis(v.features_BND, path[:, :, None], axis=1, mode="promise_in_bounds")
+        hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, new_tok, path_feat, n_acc)
+    else:
+        hidden = st.hidden_BD
     r = jnp.minimum(st.rounds_B, st.accept_BR.shape[1] - 1)
     accept = st.accept_BR.at[jnp.arange(B), r].set(jnp.where(active, n_acc, st.accept_BR[jnp.arange(B), r]))
     keep = lambda new, old: jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
@@ -152,7 +159,24 @@ def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: Eagle
     """One EAGLE-2 round: draft, verify, accept and commit."""
     t, dcache = draft_tree(tmodule, tparams, dmodule, dparams, st, tree)
     v = verify_tree(tmodule, tparams, dmodule, st, t)
-    return accept_and_commit(tmodule, tparams, dmodule, dparams, st, t, v, dcache, sampling, tree)
+    return accept_and_commit(tmodule, tparams, dmodule, dparams, st, t, v, dcache, sampling, tree.max_accept)
+
+
+def root_only(root_B: jax.Array) -> Tree:
+    """The tree of the root alone: verifying it is one step of plain decoding."""
+    B = root_B.shape[0]
+    return Tree(root_B[:, None], jnp.full((B, 1), -1, jnp.int32), jnp.ones((B, 1, 1), bool),
+                jnp.zeros((B, 1), jnp.int32))
+
+
+def plain_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState, sampling: SamplingParams,
+                catch_up: bool = True) -> EagleState:
+    """One step of plain decoding on the EAGLE state (no drafting; every row adds one token, exactly
+    plain decoding's): where no tree pays (a large batch), a server or generation takes these
+    rounds. With `catch_up` the draft consumes the token, so tree rounds can follow at any time."""
+    t = root_only(st.root_B)
+    v = verify_tree(tmodule, tparams, dmodule, st, t)
+    return accept_and_commit(tmodule, tparams, dmodule, dparams, st, t, v, st.dcache, sampling, 1, catch_up)
 
 
 def scratch_slots(tree: TreeConfig) -> int:

@@ -4,7 +4,10 @@ The same `process_logits` feeds plain decoding, EAGLE-2 verification and the bon
 the distribution EAGLE-2 samples from is exactly the one plain decoding samples from.
 
 Programs take `SamplingParams`: whether decoding is greedy is static (it changes the program),
-temperature, top-k and top-p are traced arrays, so new values never recompile.
+temperature, top-k and top-p are traced arrays, so new values never recompile. Each is a scalar
+(every row alike) or one value per row [B] (a serving engine's rows, each its own request); in a
+sampling program a row whose temperature is 0 decodes greedily, so greedy and sampled rows share
+one batch.
 """
 from __future__ import annotations
 
@@ -21,10 +24,10 @@ from .ops import NEG_INF
 
 @struct.dataclass
 class SamplingParams:
-    temperature: jax.Array  # float32 scalar
-    top_k: jax.Array  # int32 scalar, 0: off
-    top_p: jax.Array  # float32 scalar, 1: off
-    greedy: bool = struct.field(pytree_node=False, default=True)
+    temperature: jax.Array  # float32, scalar or [B]; 0: that row is greedy
+    top_k: jax.Array  # int32, scalar or [B]; 0: off
+    top_p: jax.Array  # float32, scalar or [B]; 1: off
+    greedy: bool = struct.field(pytree_node=False, default=True)  # every row greedy (no sampling compiled)
 
     @classmethod
     def of(cls, s: Union[SamplingConfig, "SamplingParams"]) -> "SamplingParams":
@@ -33,38 +36,62 @@ class SamplingParams:
         return cls(np.float32(s.temperature if not s.greedy else 1.0), np.int32(s.top_k),  # numpy: replicated
                    np.float32(s.top_p), s.greedy)
 
+    @classmethod
+    def rows(cls, temperature, top_k, top_p) -> "SamplingParams":
+        """Per-row values ([B] each; temperature 0: a greedy row); the greedy program where every row is."""
+        t = np.asarray(temperature, np.float32)
+        return cls(t, np.asarray(top_k, np.int32), np.asarray(top_p, np.float32), bool(np.all(t <= 0)))
+
+    def greedy_rows(self, x):
+        """Rows that decode greedily, shaped to broadcast against `x` ([B, ...])."""
+        if self.greedy:
+            return jnp.ones((), bool)
+        return _per_row(self.temperature <= 0, x)
+
+
+def _per_row(a, x):
+    """A scalar as is; a per-row [B] value reshaped to broadcast against x [B, ...]."""
+    a = jnp.asarray(a)
+    return a if a.ndim == 0 else a.reshape(a.shape + (1,) * (x.ndim - 1))
+
 
 TOP_K_CAP = 256  # top-k up to this reads its k-th value from lax.top_k; larger k (or top-p) sorts
 
 
 def process_logits(logits_NV: jax.Array, s) -> jax.Array:
     """float32 logits / temperature with the entries top-k and top-p filter out set to NEG_INF
-    (temperature > 0 only). Top-k alone (k <= TOP_K_CAP) takes lax.top_k over TOP_K_CAP entries;
-    top-p (or a larger k) one descending sort that serves both; neither: nothing (lax.cond picks at
-    run time: the values are traced)."""
+    (temperature > 0 only; a greedy row's logits pass unscaled). Top-k alone (k <= TOP_K_CAP)
+    takes lax.top_k over TOP_K_CAP entries; top-p (or a larger k) one descending sort that serves
+    both; neither: nothing. lax.switch picks at run time (the values are traced); with per-row
+    values the batch takes the branch its most demanding row needs, which leaves the other rows
+    exactly as their own branch would."""
     s = SamplingParams.of(s)
-    x = logits_NV.astype(jnp.float32) / s.temperature
+    temp = _per_row(s.temperature, logits_NV)
+    x = logits_NV.astype(jnp.float32) / jnp.where(temp > 0, temp, 1.0)
     V = x.shape[-1]
     cap = min(V, TOP_K_CAP)
-    k = jnp.where((s.top_k > 0) & (s.top_k < V), s.top_k, V)
+    k_row = jnp.where((s.top_k > 0) & (s.top_k < V), s.top_k, V)  # V: off
+    k, top_p = _per_row(k_row, x), _per_row(s.top_p, x)
+    kth_at = lambda vals, n: jnp.take_along_axis(  # noqa: E731  the n-th largest of each row
+        vals, jnp.broadcast_to(n - 1, vals.shape[:-1] + (1,)), axis=-1, mode="promise_in_bounds")
 
     def top_k_only(x):
-        kth = jax.lax.dynamic_slice_in_dim(jax.lax.top_k(x, cap)[0], k - 1, 1, axis=-1)
-        return jnp.where(x < kth, NEG_INF, x)
+        kth = kth_at(jax.lax.top_k(x, cap)[0], jnp.minimum(k, cap))
+        return jnp.where((x < kth) & (k < V), NEG_INF, x)
 
     def sorted_filters(x):
         desc = -jnp.sort(-x, axis=-1)
-        kth = jax.lax.dynamic_slice_in_dim(desc, k - 1, 1, axis=-1)
+        kth = kth_at(desc, k)
         x = jnp.where(x < kth, NEG_INF, x)
         desc = jnp.where(desc < kth, NEG_INF, desc)  # the sorted top-k-filtered logits
         p = jax.nn.softmax(desc, axis=-1)
         exclusive = jnp.cumsum(p, axis=-1) - p
-        keep = (exclusive < s.top_p) | (s.top_p >= 1.0)  # always keeps the most likely token
+        keep = (exclusive < top_p) | (top_p >= 1.0)  # always keeps the most likely token
         cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
         return jnp.where(x < cutoff, NEG_INF, x)
 
-    branch = jnp.where(s.top_p < 1.0, 2, jnp.where(k < V, jnp.where(k <= cap, 1, 2), 0))
-    return jax.lax.switch(branch, (lambda x: x, top_k_only, sorted_filters), x)
+    branch_row = jnp.where(s.top_p < 1.0, 2, jnp.where(k_row < V, jnp.where(k_row <= cap, 1, 2), 0))
+    return jax.lax.switch(jnp.max(branch_row), (lambda x: x, top_k_only, sorted_filters), x)
 
 
 def target_probs(logits_NV: jax.Array, s) -> jax.Array:
@@ -106,20 +133,15 @@ def categorical(key, logits_V: jax.Array) -> jax.Array:
     return b * BLOCK + i
 
 
-def sample_token(key, logits_V: jax.Array, s) -> jax.Array:
-    """One token from one row's logits: argmax when greedy, else from the processed distribution."""
-    if s.greedy:
-        return jnp.argmax(logits_V, axis=-1).astype(jnp.int32)
-    return categorical(key, process_logits(logits_V, s))
-
-
 def sample_rows(keys_B, logits_BV: jax.Array, s) -> jax.Array:
     """One token per row [B]: the logits are processed for the whole batch first (one sort, not
     one per row under vmap), then each row draws with its own key."""
     s = SamplingParams.of(s)
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     if s.greedy:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    return jax.vmap(categorical)(keys_B, process_logits(logits_BV, s))
+        return greedy
+    drawn = jax.vmap(categorical)(keys_B, process_logits(logits_BV, s))
+    return jnp.where(s.greedy_rows(greedy), greedy, drawn)
 
 
 def row_keys(seed_key, batch: int):
@@ -128,7 +150,10 @@ def row_keys(seed_key, batch: int):
 
 
 def step_keys(keys_B, step):
-    return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys_B)
+    """Each row's key folded with its step (a scalar, or per row [B]: a row's own round count, so
+    its draws do not depend on when it joined a serving batch)."""
+    step_B = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys_B.shape[:1])
+    return jax.vmap(jax.random.fold_in)(keys_B, step_B)
 
 
 def top_log_probs(logits, k: int):

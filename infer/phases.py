@@ -18,7 +18,7 @@ def _verify(tp, st, t, *, tm, dm):
 
 
 def _accept(tp, dp, st, t, v, dcache, sampling, *, tm, dm, tree):
-    return eagle.accept_and_commit(tm, tp, dm, dp, st, t, v, dcache, sampling, tree)
+    return eagle.accept_and_commit(tm, tp, dm, dp, st, t, v, dcache, sampling, tree.max_accept)
 
 
 def _round(tp, dp, st, sampling, *, tm, dm, tree):

@@ -2,11 +2,14 @@
 
     python -m infer.serve                               # SmolLM2-135M-Instruct + its head on 127.0.0.1:8000
     python -m infer.serve --max-batch 8 --max-model-len 2048 --port 8001
+    python -m infer.serve --mode vanilla                # plain decoding only (a baseline)
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the
 tokenizer's chat template; `stream: true` sends server-sent events ending with `data: [DONE]`),
-GET /metrics (Prometheus). Greedy decoding (temperature 0 or absent); requests are batched
-continuously, each slot freed as its request ends. Bad requests get OpenAI-shaped JSON errors and
+GET /metrics (Prometheus). Sampling is per request (temperature, top_p, top_k, seed; temperature 0,
+the default, is greedy). Requests are batched continuously, each slot freed as its request ends;
+each dispatch drafts the tree the head's tree.json gives for the number of busy rows, or decodes
+plainly where no tree pays. Bad requests get OpenAI-shaped JSON errors and
 leave the other requests alone; a client that disconnects cancels its request.
 """
 from __future__ import annotations
@@ -61,9 +64,10 @@ class Worker:
             self.lock.notify_all()
         self.thread.join(timeout=30)
 
-    def submit(self, prompt, max_tokens, stop_ids, on_tokens, on_done):
+    def submit(self, prompt, max_tokens, stop_ids, on_tokens, on_done, **sampling):
         with self.lock:
-            r = self.engine.submit(prompt, max_tokens, stop_ids=stop_ids, on_tokens=on_tokens, on_done=on_done)
+            r = self.engine.submit(prompt, max_tokens, stop_ids=stop_ids, on_tokens=on_tokens, on_done=on_done,
+                                   **sampling)
             self.live.add(r)
             self.lock.notify_all()
             return r
@@ -148,16 +152,21 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64)
         t = body.get("temperature", 0)
         if not isinstance(t, (int, float)) or t < 0:
             raise OpenAIError(400, f"temperature must be a number >= 0, got {t!r}", "temperature")
-        if t > 0:
-            raise OpenAIError(400, "this server decodes greedily: send temperature 0 (per-request sampling "
-                                   "is not supported yet)", "temperature")
         p = body.get("top_p", 1)
         if not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise OpenAIError(400, f"top_p must be in (0, 1], got {p!r}", "top_p")
+        k = body.get("top_k", 0)  # not OpenAI's; vLLM and SGLang take it (-1 or 0: off)
+        if not isinstance(k, int) or isinstance(k, bool) or k < -1:
+            raise OpenAIError(400, f"top_k must be an integer >= -1, got {k!r}", "top_k")
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 32):
+            raise OpenAIError(400, f"seed must be an integer in [0, 2**32), got {seed!r}", "seed")
         m = body.get("max_tokens", body.get("max_completion_tokens", 16 if endpoint == "completions" else 256))
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             raise OpenAIError(400, f"max_tokens must be a positive integer, got {m!r}", "max_tokens")
-        return {**body, "max_tokens": m}  # the limit as checked, whichever field or default gave it
+        # the values as checked, whichever field or default gave them
+        return {**body, "max_tokens": m, "sampling": dict(temperature=float(t), top_p=float(p), top_k=max(k, 0),
+                                                          seed=seed)}
 
     def encode(body: dict, endpoint: str) -> list:
         if endpoint == "chat":
@@ -200,7 +209,8 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64)
         try:  # in a thread: the engine holds its lock for a whole dispatch, the event loop must not wait
             r = await asyncio.to_thread(worker.submit, ids, body["max_tokens"],
                                         [eos] if eos is not None else [], on_tokens,
-                                        lambda: loop.call_soon_threadsafe(chunks.put_nowait, None))
+                                        lambda: loop.call_soon_threadsafe(chunks.put_nowait, None),
+                                        **body["sampling"])
         except ValueError as e:
             metrics["requests"].labels(endpoint, "400").inc()
             raise OpenAIError(400, str(e), "max_tokens")
@@ -304,7 +314,12 @@ def build_parser() -> Parser:
     add_model_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    ap.add_argument("--max-batch", type=positive_int, default=4, help="slots decoded together (default 4)")
+    ap.add_argument("--mode", choices=["eagle", "vanilla"], default="eagle",
+                    help="eagle: EAGLE-2 rounds, the tree for each load from the head's tree.json (plain steps where "
+                         "no tree pays); vanilla: plain decoding only (default eagle)")
+    ap.add_argument("--max-batch", type=positive_int, default=4,
+                    help="slots decoded together; a dispatch computes the power of two covering the busy ones "
+                         "(default 4)")
     ap.add_argument("--max-model-len", type=positive_int, default=1024,
                     help="longest prompt + max_tokens a request may ask for (default 1024)")
     ap.add_argument("--rounds-per-dispatch", type=positive_int, default=4,
@@ -314,6 +329,7 @@ def build_parser() -> Parser:
                     help="compile every program the server runs for --model's shape without weights (random:<shape> "
                          "or a config.json: abstract params, nothing allocated) into the persistent compile cache, "
                          "then exit: warms a cache before a deployment")
+    ap.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,model=4' (default: one device)")
     add_backend_args(ap, attention=False, gpu_graphs=False)
     return ap
 
@@ -321,24 +337,30 @@ def build_parser() -> Parser:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     cache = enable_compile_cache()
+    try:
+        mesh = e2.parse_mesh(args.mesh)
+    except ValueError as e:
+        fail(str(e))
     if args.compile_only:
         try:
-            target = e2.load_target(args.model, dtype=args.dtype, abstract=True, tokenizer=False,
+            target = e2.load_target(args.model, dtype=args.dtype, abstract=True, tokenizer=False, mesh=mesh,
                                     layers=None if args.layer_layout == "auto" else args.layer_layout)
             draft = e2.init_draft(target) if args.draft in ("auto", "random") else e2.load_draft(args.draft, target)
         except (e2.CheckpointError, ValueError) as e:
             fail(str(e))
         bar = tqdm(desc="compiling", unit="program")
-        n = compile_programs(target, draft, slots=args.max_batch, max_len=args.max_model_len,
+        n = compile_programs(target, draft, slots=args.max_batch, max_len=args.max_model_len, mode=args.mode,
                              progress=lambda what: bar.update(1))
         bar.close()
         print(f"compiled {n} programs for {args.model}" + (f" into {cache}" if cache else ""))
         return
-    target, draft = load_models(args, need_draft=True)
+    target, draft = load_models(args, need_draft=True, mesh=mesh)
     if target.tokenizer is None:
         raise SystemExit("error: the model has no tokenizer: serve a named model, an HF directory or a .gguf")
-    engine = Engine(target, draft, slots=args.max_batch, max_len=args.max_model_len,
+    engine = Engine(target, draft, slots=args.max_batch, max_len=args.max_model_len, mode=args.mode,
                     eos_token_id=target.tokenizer.eos_token_id, rounds_per_dispatch=args.rounds_per_dispatch)
+    print("plan: " + ", ".join(f"{b} rows: " + ("plain" if t is None else f"tree {t.depth}/{t.top_k}/{t.total_tokens}")
+                               for b, t in engine.plan.items()))
     bar = tqdm(desc="compiling", unit="program")
     engine.warmup(progress=lambda what: bar.update(1))
     bar.close()

@@ -85,8 +85,13 @@ def test_chat_streaming_equals_the_whole_answer_and_concurrent_requests_stay_ind
     def ask(q):
         return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=40,
                                          temperature=0).choices[0].message.content
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # more requests than slots: some wait
+    def sampled(q):
+        return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=40,
+                                         temperature=1.0, top_p=0.9, seed=3).choices[0].message.content
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:  # more requests than slots: some wait
+        noise = pool.submit(sampled, questions[0])  # a sampled row among the greedy ones
         got = list(pool.map(ask, questions))
+        assert noise.result()
     assert got == want
     parts = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": questions[1]}], max_tokens=40, temperature=0, stream=True)]
@@ -101,6 +106,8 @@ def test_chat_streaming_equals_the_whole_answer_and_concurrent_requests_stay_ind
     ("/v1/completions", json.dumps({"prompt": "Hi", "top_p": 2}).encode(), 400, "top_p"),
     ("/v1/completions", json.dumps({"prompt": "Hi", "top_p": 0}).encode(), 400, "top_p"),
     ("/v1/completions", json.dumps({"prompt": "Hi", "n": 2}).encode(), 400, "n"),
+    ("/v1/completions", json.dumps({"prompt": "Hi", "top_k": -5}).encode(), 400, "top_k"),
+    ("/v1/completions", json.dumps({"prompt": "Hi", "seed": "x"}).encode(), 400, "seed"),
     ("/v1/chat/completions", json.dumps({"messages": []}).encode(), 400, "messages"),
     ("/v1/completions", json.dumps({"model": "gpt-9", "prompt": "Hi"}).encode(), 404, "model"),
     ("/v1/completions", json.dumps({"prompt": "word " * 200, "max_tokens": 100}).encode(), 400, "max_tokens"),
@@ -113,6 +120,23 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, pat
     code, ok = post(url, "/v1/completions", json.dumps({"prompt": "One, two,", "max_tokens": 4}).encode())
     assert code == 200 and ok["choices"][0]["text"] == plain_text(target, "One, two,", 4)[0]
     assert not engine.running and not engine.queue  # nothing half-done left behind
+
+
+def test_a_seeded_sampled_request_equals_generate_with_that_seed(server):
+    """Alone on the server (one busy row: the head's batch-1 tree), a sampled request with a seed gives
+    what `generate` gives for its prompt and seed; another seed, another answer."""
+    import eagle2_jax as e2
+    url, target, engine = server
+    tok = target.tokenizer
+    prompt = "Once upon a time"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    c = client(url)
+    texts = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.9, top_p=0.95,
+                                  seed=seed).choices[0].text for seed in (7, 7, 8)]
+    want = e2.generate(target, engine.draft, [ids], max_new_tokens=24, temperature=0.9, top_p=0.95, seed=7,
+                       eos_token_id=tok.eos_token_id).tokens[0]
+    assert texts[0] == texts[1] == tok.decode(want, skip_special_tokens=True)
+    assert texts[2] != texts[0]
 
 
 def test_metrics_count_requests_and_tokens(server):

@@ -1,15 +1,19 @@
 """The serving engine (eagle2_jax.serving): continuous batching of EAGLE-2 rounds stays lossless.
 
 A greedy request's tokens equal plain decoding of its prompt alone, whatever else is in the batch
-and whenever it arrived; after warm-up nothing compiles; cancelled and stopped requests free their
-slots."""
+(greedy or sampled rows), whenever it arrived and whichever tree or plain rounds the load picks; a
+seeded sampled request equals `generate` of its prompt alone with that seed; per-row sampling in the
+engine's rounds follows the target's exact distribution (chi-square); after warm-up nothing
+compiles; cancelled and stopped requests free their slots."""
 import jax
+import numpy as np
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax.eagle import PREFILL
+from eagle2_jax.eagle import PREFILL, program_inputs
+from eagle2_jax.sampling import SamplingParams
 from eagle2_jax.serving import Engine
-from eagle2_jax.serving.programs import INSERT, RETIRE, ROUNDS
+from eagle2_jax.serving.programs import INSERT, MOVE, RETIRE, ROUNDS
 from helpers import permutation_oracle, tiny_config
 
 TREE = e2.TreeConfig(3, 2, 6)
@@ -31,7 +35,7 @@ def reference(pair):
 
 
 def compiles():
-    return tuple(p.num_compiled for p in (PREFILL, INSERT, ROUNDS, RETIRE))
+    return tuple(p.num_compiled for p in (PREFILL, INSERT, MOVE, ROUNDS, RETIRE))
 
 
 def test_staggered_arrivals_are_token_identical_to_plain_decoding_and_compile_nothing(pair, reference):
@@ -105,4 +109,80 @@ def test_compile_only_for_a_shape_without_weights():
     d = e2.init_draft(t)
     assert t.abstract
     n = compile_programs(t, d, slots=2, max_len=40, tree=TREE)
-    assert n == 1 + 1 + 3 + 1 + 1  # the slots' prefill, retire, prompt buckets 16, 32 and 64, insert, rounds
+    # the slots' prefill; prompt buckets 16, 32 and 64 greedy and sampling; insert, move, retire;
+    # rounds over 1 and 2 rows, greedy and sampling
+    assert n == 1 + 3 * 2 + 3 + 2 * 2
+
+
+def test_mixed_greedy_and_sampled_rows_under_a_load_plan(pair, reference):
+    """Greedy and sampled requests share the batch; a table picks a tree for one busy row and plain
+    rounds for more. Greedy rows equal plain decoding; a seeded sampled request equals `generate` of
+    its prompt alone; nothing compiles after warm-up though sampling values change per request."""
+    t, d = pair
+    engine = Engine(t, d, slots=4, max_len=64, tree={1: TREE, 2: None}, rounds_per_dispatch=2)
+    assert engine.plan == {1: TREE, 2: None, 4: None}
+    engine.warmup()
+    before = compiles()
+    sampled = [dict(temperature=0.8, top_p=0.9, seed=11), dict(temperature=1.3, top_k=5, seed=12)]
+    want = [e2.generate(t, d, [PROMPTS[1]], max_new_tokens=MAX_NEW[1], tree=TREE, **kw).tokens[0]
+            for kw in sampled]
+    first = engine.submit(PROMPTS[0], MAX_NEW[0])
+    engine.step()
+    engine.step()  # alone: tree rounds
+    reqs = [engine.submit(PROMPTS[1], MAX_NEW[1], **kw) for kw in sampled] + [engine.submit(PROMPTS[3], MAX_NEW[3])]
+    engine.run(max_steps=500)
+    assert first.tokens == reference[0] and reqs[2].tokens == reference[3]
+    assert any(a > 1 for a in first.accept_lengths) and 1 in first.accept_lengths  # tree, then plain rounds
+    alone = engine.submit(PROMPTS[1], MAX_NEW[1], **sampled[0])  # the seeded request again, alone: tree rounds
+    engine.run(max_steps=500)
+    assert alone.tokens == want[0]
+    assert len({tuple(r.tokens) for r in reqs[:2]}) == 2  # each row its own settings and key
+    assert engine.idle and compiles() == before
+
+
+def test_a_busy_row_left_high_moves_down_to_a_smaller_bucket(pair, reference):
+    t, d = pair
+    engine = Engine(t, d, slots=4, max_len=64, tree=TREE, rounds_per_dispatch=2)
+    reqs = [engine.submit(p, n) for p, n in zip(PROMPTS[:4], (2, 2, 2, MAX_NEW[3]))]
+    engine.step()  # all four admitted; the three short ones finish in the first round
+    assert [r.finished for r in reqs] == [True, True, True, False] and reqs[3].slot == 3
+    engine.step()
+    assert reqs[3].slot == 0 and engine.bucket() == 1  # moved down: batch-1 rounds
+    engine.run(max_steps=500)
+    assert reqs[3].tokens == reference[3]
+    assert engine.bucket() == 1  # nothing busy
+
+
+@pytest.mark.parametrize("tree", [e2.TreeConfig(2, 3, 8), None], ids=["tree", "plain"])
+def test_engine_rounds_sample_each_row_from_its_own_settings(tree):
+    """The engine's rounds program with per-row sampling values: rows of three sampling settings and
+    greedy rows interleaved in one batch; each sampled group's first three tokens follow the target's
+    exact distribution under its own settings (chi-square, as tests/test_sampling_lossless.py), the
+    greedy rows give the greedy tokens."""
+    from test_sampling_lossless import PROMPT, P_THRESHOLD, V, chi_square_p, exact_distribution
+    from helpers import tiny_pair
+    t, d = tiny_pair(3, vocab_size=V, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=32)
+    t.params = dict(t.params, lm_head=t.params["lm_head"] * 40.0)
+    d.params = jax.tree_util.tree_map(lambda x: x * 3.0, d.params)
+    settings = [e2.SamplingConfig(0.7, 0, 1.0), e2.SamplingConfig(1.0, 0, 0.8), e2.SamplingConfig(1.0, 3, 1.0),
+                e2.SamplingConfig()]
+    R = 8192
+    group = np.arange(R) % len(settings)
+    s = SamplingParams.rows([settings[g].temperature for g in group], [settings[g].top_k for g in group],
+                            [settings[g].top_p for g in group])
+    counts = np.zeros((len(settings), V ** 3), np.int64)
+    greedy = e2.generate_vanilla(t, [PROMPT], max_new_tokens=3).tokens[0]
+    for call in range(4):
+        _, args, static = program_inputs(t, d, [PROMPT] * R, 3, None, 100 + call, s, tree or TREE, cache_len=64)
+        st = PREFILL(*args, **static)
+        for _ in range(3):  # each call returns once some row finishes
+            st = ROUNDS(t.params, d.params, st, s, np.int32(10), tmodule=t.module, dmodule=d.module, tree=tree,
+                        rows=R, catch_up=True)
+        toks = np.asarray(st.out_BM)[:, :3]
+        assert (np.asarray(st.n_out_B) == 3).all()
+        np.add.at(counts, (group, toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]), 1)
+        assert (toks[group == 3] == greedy).all()
+    for g in range(3):
+        p, stat, k = chi_square_p(counts[g], exact_distribution(t, settings[g]))
+        assert p > P_THRESHOLD, f"setting {settings[g]}: chi2={stat:.1f} on {k} dof, p={p:.2e}"

@@ -3,18 +3,24 @@ and a host loop that admits, dispatches a bounded number of rounds, hands out to
 
     engine = Engine(target, draft, slots=4, max_len=1024)
     engine.warmup()                      # every program compiled here, never again
-    r = engine.submit(prompt_ids, max_new_tokens=64)
+    r = engine.submit(prompt_ids, max_new_tokens=64, temperature=0.7, seed=1)
     while not r.finished:
         engine.step()
     r.tokens
 
 Each request is prefilled alone (eagle.PREFILL, batch 1, the engine's cache bucket: one program per
-prompt bucket) and inserted into a free slot (programs.INSERT); `step` then runs up to
-`rounds_per_dispatch` rounds on device (programs.ROUNDS, returning early when a row finishes), reads
-each active row's new tokens and frees the slots whose rows are done. Rows are independent, so a
-greedy request's tokens never depend on what else is in the batch. Sampling settings are the
-engine's (one `SamplingConfig` for every row); stop token ids beyond the model's EOS are checked on
-the host, which then retires the row.
+prompt bucket) and inserted into the lowest free slot (programs.INSERT). `step` then runs up to
+`rounds_per_dispatch` rounds on device over the slot bucket that covers the busy slots (programs.
+ROUNDS, returning early when a row finishes), reads each busy row's new tokens and frees the slots
+whose rows are done; a lone row left high is moved down (programs.MOVE) so the bucket shrinks.
+
+Speculation adapts to load: the plan maps each slot bucket to a tree or to plain decoding (None),
+from the head's tree.json (`by_batch`, timed per batch size) unless a tree is given; `mode="vanilla"`
+serves plain decoding only. Plain rounds keep the draft caught up, so the next dispatch may draft
+again. Sampling is per request (temperature, top-p, top-k, seed; temperature 0 is greedy): the
+greedy program runs while every busy row is greedy, the sampling program (greedy rows kept greedy)
+otherwise. Rows are independent, so a request's tokens never depend on what else is in the batch.
+Stop token ids beyond the model's EOS are checked on the host, which then retires the row.
 """
 from __future__ import annotations
 
@@ -27,20 +33,25 @@ import jax
 import numpy as np
 
 from ..autotune import resolve_tree
-from ..batching import MIN_PROMPT_BUCKET, cache_bucket, eos_value, next_pow2
+from ..batching import MIN_PROMPT_BUCKET, cache_bucket, eos_value, next_pow2, round_up
 from ..config import SamplingConfig, TreeConfig
 from ..draft import Draft, check_compatible
+from ..defaults import for_batch
 from ..eagle import PREFILL, program_inputs, scratch_slots
 from ..model import Target
 from ..sampling import SamplingParams
-from ..sharding import to_host
-from .programs import INSERT, RETIRE, ROUNDS
+from ..sharding import batch_multiple, to_host
+from .programs import INSERT, MOVE, RETIRE, ROUNDS
+
+MODES = ("eagle", "vanilla")
+PLAIN_SLACK = TreeConfig(1, 1, 1)  # a plain round's scratch: the root and the commit
 
 
-def engine_cache_len(max_len: int, tree: TreeConfig) -> int:
-    """The one cache bucket of an engine whose requests fit max_len (prompt + max_tokens) and a round's
-    scratch slots."""
-    return cache_bucket(max(max_len + scratch_slots(tree), MIN_PROMPT_BUCKET))
+def engine_cache_len(max_len: int, trees) -> int:
+    """The one cache bucket of an engine whose requests fit max_len (prompt + max_tokens) and the
+    scratch slots of a round of any of `trees` (None: a plain round)."""
+    scratch = max(scratch_slots(t or PLAIN_SLACK) for t in trees)
+    return cache_bucket(max(max_len + scratch, MIN_PROMPT_BUCKET))
 
 
 def bucket_prompts(max_len: int) -> list:
@@ -50,6 +61,29 @@ def bucket_prompts(max_len: int) -> list:
     return [[0] * min(p, max_len - 1) for p in sizes]
 
 
+def slot_buckets(slots: int, multiple: int = 1) -> list:
+    """Row counts ROUNDS is compiled for: powers of two (multiples of the mesh's data axis) up to slots."""
+    return sorted({min(round_up(next_pow2(n), multiple), slots) for n in range(1, slots + 1)})
+
+
+def load_plan(draft: Draft, buckets, tree=None, mode: str = "eagle") -> dict:
+    """Slot bucket -> the tree its rounds use, or None for plain decoding. `tree`: a TreeConfig for
+    every bucket; a table {batch size: TreeConfig or None} read as a tree.json's by_batch (the entry
+    of the largest size at or below the bucket); None: the head's tree.json per batch size
+    (autotune.resolve_tree; "plain" -> None)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "vanilla":
+        return {b: None for b in buckets}
+    if isinstance(tree, dict):
+        if not tree or not all(isinstance(v, (TreeConfig, type(None))) for v in tree.values()):
+            raise ValueError(f"a tree table maps batch sizes to a TreeConfig or None, got {tree!r}")
+        return {b: for_batch(tree, b) for b in buckets}
+    if tree is not None and not isinstance(tree, TreeConfig):
+        raise ValueError(f"tree must be a TreeConfig, a table of them by batch size or None, got {tree!r}")
+    return {b: tree if tree is not None else resolve_tree(draft, batch=b) for b in buckets}
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request's progress; `tokens` grows as the engine hands them out (compared by identity)."""
@@ -57,6 +91,8 @@ class Request:
     prompt: list
     max_new_tokens: int
     stop_ids: tuple = ()
+    sampling: SamplingConfig = SamplingConfig()
+    seed: Optional[int] = None  # None: one the engine derives from its own seed and the request's id
     on_tokens: Optional[Callable[[list], None]] = None
     on_done: Optional[Callable[[], None]] = None  # for a caller waiting on another thread
     tokens: list = dataclasses.field(default_factory=list)
@@ -71,29 +107,35 @@ class Request:
 
 class Engine:
     def __init__(self, target: Target, draft: Draft, *, slots: int = 4, max_len: int = 1024,
-                 tree: Optional[TreeConfig] = None, sampling: SamplingConfig = SamplingConfig(),
-                 eos_token_id: Optional[int] = None, rounds_per_dispatch: int = 8, seed: int = 0):
-        """`slots`: rows decoded together (rounded up to a power of two, the batch bucket); `max_len`:
-        the longest prompt + max_new_tokens a request may ask for; `tree`: None, the head's tree for
-        this platform (autotune.resolve_tree)."""
+                 tree=None, mode: str = "eagle", eos_token_id: Optional[int] = None,
+                 rounds_per_dispatch: int = 8, seed: int = 0):
+        """`slots`: most rows decoded together (rounded up to a power of two); `max_len`: the longest
+        prompt + max_new_tokens a request may ask for; `tree`: one tree at every load, a table by
+        batch size, or None: the head's tree.json (see load_plan); `mode`: "eagle" or "vanilla" (plain decoding only).
+        Nothing runs until `warmup()` or the first `step()`."""
         check_compatible(draft.config, target.config)
-        self.target, self.draft = target, draft
-        self.tree = tree if tree is not None else resolve_tree(draft)
-        self.sampling, self.eos = sampling, eos_token_id
-        self.slots, self.max_len, self.k = next_pow2(slots), max_len, rounds_per_dispatch
-        self.cache_len = engine_cache_len(max_len, self.tree)
-        self.seed = seed
+        self.target, self.draft, self.mode = target, draft, mode
+        m = batch_multiple(target.mesh)
+        self.slots = round_up(next_pow2(slots), m)
+        self.buckets = slot_buckets(self.slots, m)
+        self.plan = load_plan(draft, self.buckets, tree, mode)
+        self.eos, self.max_len, self.k, self.seed = eos_token_id, max_len, rounds_per_dispatch, seed
+        self.cache_len = engine_cache_len(max_len, self.plan.values())
+        trees = [t for t in self.plan.values() if t is not None]
+        self._prefill_tree = max(trees, key=scratch_slots) if trees else PLAIN_SLACK  # a compile key only
         self.queue: collections.deque = collections.deque()
         self.running: dict = {}  # slot -> Request
         self._ids = itertools.count()
         self._seen = np.zeros(self.slots, np.int64)  # tokens of each slot's row already handed out
         self._rounds = np.zeros(self.slots, np.int64)
-        # the slots' state: every row done (idle) until a request is inserted
-        self.state = self._prefill([[0]] * self.slots, 1, seed)
-        self.state = RETIRE(self.state, np.ones(self.slots, bool))
+        self._temperature = np.zeros(self.slots, np.float32)  # per slot: the request's sampling
+        self._top_k = np.zeros(self.slots, np.int32)
+        self._top_p = np.ones(self.slots, np.float32)
+        self.state = None  # the slots' EagleState, made on first use: every row done (idle)
 
     # ---- requests ---------------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (), *,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
                on_tokens: Optional[Callable[[list], None]] = None,
                on_done: Optional[Callable[[], None]] = None) -> Request:
         """Queue a request (token ids); bad input raises ValueError at once, nothing queued."""
@@ -108,8 +150,11 @@ class Engine:
         V = self.target.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= V:
             raise ValueError(f"the prompt has token ids outside [0, {V})")
-        r = Request(next(self._ids), prompt, int(max_new_tokens), tuple(int(s) for s in stop_ids), on_tokens,
-                    on_done)
+        sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))  # checks the ranges
+        if seed is not None and not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2 ** 32):
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        r = Request(next(self._ids), prompt, int(max_new_tokens), tuple(int(s) for s in stop_ids), sampling,
+                    seed, on_tokens, on_done)
         self.queue.append(r)
         return r
 
@@ -129,16 +174,23 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> None:
-        """Admit waiting requests into free slots, run up to rounds_per_dispatch rounds, hand out the
-        new tokens and free finished slots."""
+        """Admit waiting requests into the lowest free slots, run up to rounds_per_dispatch rounds over
+        the slot bucket covering the busy slots, hand out the new tokens and free finished slots."""
+        self._ensure_state()
         free = [s for s in range(self.slots) if s not in self.running]
         while self.queue and free:
             self._admit(self.queue.popleft(), free.pop(0))
         if not self.running:
             return
-        self.state = ROUNDS(self.target.params, self.draft.params, self.state, SamplingParams.of(self.sampling),
-                            np.int32(self.k), tmodule=self.target.module, dmodule=self.draft.module, tree=self.tree)
+        self._pack()
+        rows = self.bucket()
+        self.state = self._dispatch(self.state, rows, self._sampling(rows), self.k)
         self._hand_out()
+
+    def bucket(self) -> int:
+        """Rows the next dispatch computes: the smallest slot bucket covering every busy slot."""
+        top = max(self.running, default=-1) + 1
+        return next(b for b in self.buckets if b >= top)
 
     def run(self, max_steps: int = 100_000) -> None:
         """Step until every request has finished (bounded by max_steps dispatches)."""
@@ -148,32 +200,108 @@ class Engine:
             self.step()
         raise RuntimeError(f"the engine did not drain in {max_steps} dispatches")
 
-    def warmup(self, progress: Optional[Callable[[str], None]] = None) -> None:
-        """Compile every program a run can need now: the prefill of each prompt bucket up to max_len,
-        the insert, the rounds and the retire programs (with a zero-row effect: nothing changes)."""
-        for prompt in bucket_prompts(self.max_len):
-            one = self._prefill([prompt], 1, self.seed)
+    def warmup(self, progress: Optional[Callable[[str], None]] = None) -> int:
+        """Compile every program a run can need now (each run once, leaving every slot idle: call it
+        before the first request); returns how many there are. `progress(label)` is called after each."""
+        def run(program, *args, label, **static):
+            out = program(*args, **static)
             if progress:
-                progress(f"prefill {len(prompt)}")
-        self.state = INSERT(self.state, one, np.int32(0))
-        self.state = RETIRE(self.state, np.ones(self.slots, bool))
-        self.state = ROUNDS(self.target.params, self.draft.params, self.state, SamplingParams.of(self.sampling),
-                            np.int32(0), tmodule=self.target.module, dmodule=self.draft.module, tree=self.tree)
+                progress(label)
+            return out
+        n = 1 + self._programs(run, self._idle_state())  # the slots' own prefill first
         jax.block_until_ready(self.state)
+        return n
 
     # ---- internals --------------------------------------------------------------------------------
-    def _prefill(self, prompts, max_new: int, seed: int):
-        _, args, static = program_inputs(self.target, self.draft, prompts, max_new, self.eos, seed,
-                                         self.sampling, self.tree, cache_len=self.cache_len)
-        return PREFILL(*args, **static)
+    def _programs(self, call, state) -> int:
+        """Every program this engine runs, each called once through call(program, *args, label=..., **static)
+        (warm-up runs them; compile_programs compiles them): prefills per prompt bucket, greedy and
+        sampling; insert, move and retire; rounds per slot bucket, greedy and sampling. Rows stay idle."""
+        count = 0
+
+        def counted(*args, **kw):
+            nonlocal count
+            count += 1
+            return call(*args, **kw)
+        for greedy in (True, False):
+            for prompt in bucket_prompts(self.max_len):
+                args, static = self._prefill_args([prompt], 1, 0, self._sampling_of(greedy))
+                one = counted(PREFILL, *args, label=f"prefill {len(prompt)}{'' if greedy else ' (sampling)'}",
+                              **static)
+        state = counted(INSERT, state, one, np.int32(0), label="insert")
+        state = counted(MOVE, state, np.int32(0), np.int32(self.slots - 1), label="move")
+        state = counted(RETIRE, state, np.ones(self.slots, bool), label="retire")
+        for rows in self.buckets:
+            for greedy in (True, False):
+                s = SamplingParams.of(SamplingConfig()) if greedy else SamplingParams.rows(
+                    np.ones(rows), np.zeros(rows), np.ones(rows))
+                what = "plain" if self.plan[rows] is None else "tree " + "/".join(
+                    map(str, (self.plan[rows].depth, self.plan[rows].top_k, self.plan[rows].total_tokens)))
+                state = counted(ROUNDS, *self._rounds_args(state, rows, s, 0),
+                                label=f"rounds {rows} rows, {what}{'' if greedy else ' (sampling)'}",
+                                **self._rounds_static(rows))
+        self.state = state
+        return count
+
+    @staticmethod
+    def _sampling_of(greedy: bool) -> SamplingConfig:
+        return SamplingConfig() if greedy else SamplingConfig(temperature=1.0)
+
+    def _prefill_args(self, prompts, max_new: int, seed: int, sampling: SamplingConfig):
+        _, args, static = program_inputs(self.target, self.draft, prompts, max_new, self.eos, seed, sampling,
+                                         self._prefill_tree, cache_len=self.cache_len)
+        return args, static
+
+    def _idle_state(self):
+        args, static = self._prefill_args([[0]] * self.slots, 1, self.seed, SamplingConfig())
+        return RETIRE(PREFILL(*args, **static), np.ones(self.slots, bool))
+
+    def _ensure_state(self) -> None:
+        if self.state is None:
+            self.state = self._idle_state()
+
+    def _rounds_args(self, state, rows, sampling, k):
+        return self.target.params, self.draft.params, state, sampling, np.int32(k)
+
+    def _rounds_static(self, rows):
+        return dict(tmodule=self.target.module, dmodule=self.draft.module, tree=self.plan[rows], rows=rows,
+                    catch_up=self.mode != "vanilla")
+
+    def _dispatch(self, state, rows, sampling, k):
+        return ROUNDS(*self._rounds_args(state, rows, sampling, k), **self._rounds_static(rows))
+
+    def _sampling(self, rows: int) -> SamplingParams:
+        """The dispatch's sampling: the greedy program while every busy row is greedy, else per row."""
+        if not np.any(self._temperature[:rows] > 0):
+            return SamplingParams.of(SamplingConfig())
+        return SamplingParams.rows(self._temperature[:rows], self._top_k[:rows], self._top_p[:rows])
 
     def _admit(self, r: Request, slot: int) -> None:
-        one = self._prefill([r.prompt], r.max_new_tokens, self.seed + 1 + r.id)  # each request its own key
-        self.state = INSERT(self.state, one, np.int32(slot))
+        seed = r.seed if r.seed is not None else (self.seed + 1 + r.id) % 2 ** 32  # each request its own key
+        args, static = self._prefill_args([r.prompt], r.max_new_tokens, seed, r.sampling)
+        self.state = INSERT(self.state, PREFILL(*args, **static), np.int32(slot))
         r.slot = slot
         self.running[slot] = r
-        self._seen[slot] = 0
-        self._rounds[slot] = 0
+        self._seen[slot] = self._rounds[slot] = 0
+        s = r.sampling
+        self._temperature[slot], self._top_k[slot], self._top_p[slot] = s.temperature, s.top_k, s.top_p
+
+    def _pack(self) -> None:
+        """Move rows from slots above the bucket the busy count needs into free slots below it."""
+        need = next(b for b in self.buckets if b >= len(self.running))
+        high = sorted((s for s in self.running if s >= need), reverse=True)
+        free = [s for s in range(need) if s not in self.running]
+        for src, dst in zip(high, free):
+            self.state = MOVE(self.state, np.int32(src), np.int32(dst))
+            self.state = RETIRE(self.state, np.arange(self.slots) == src)
+            r = self.running.pop(src)
+            r.slot, self.running[dst] = dst, r
+            for a in (self._seen, self._rounds, self._temperature, self._top_k, self._top_p):
+                a[dst] = a[src]
+            self._idle_slot(src)
+
+    def _idle_slot(self, s: int) -> None:
+        self._temperature[s], self._top_k[s], self._top_p[s] = 0.0, 0, 1.0
 
     def _retire(self, slots) -> None:
         stop = np.zeros(self.slots, bool)
@@ -181,6 +309,7 @@ class Engine:
         self.state = RETIRE(self.state, stop)
         for s in slots:
             self.running.pop(s, None)
+            self._idle_slot(s)
 
     def _hand_out(self) -> None:
         n_out, done, rounds = (to_host(x) for x in (self.state.n_out_B, self.state.done_B, self.state.rounds_B))
@@ -208,32 +337,18 @@ class Engine:
 
 
 def compile_programs(target: Target, draft: Draft, *, slots: int = 4, max_len: int = 1024,
-                     tree: Optional[TreeConfig] = None, sampling: SamplingConfig = SamplingConfig(),
-                     eos_token_id: Optional[int] = None, progress: Optional[Callable[[str], None]] = None) -> int:
+                     tree=None, mode: str = "eagle", eos_token_id: Optional[int] = None,
+                     progress: Optional[Callable[[str], None]] = None) -> int:
     """Compile every program an Engine with these settings runs, without running any: for abstract
     params (load_target(..., abstract=True)), e.g. to fill a persistent compile cache before a
     deployment. Returns how many programs were compiled."""
-    tree = tree if tree is not None else resolve_tree(draft)
-    S = next_pow2(slots)
-    cache_len = engine_cache_len(max_len, tree)
-    count = 0
+    engine = Engine(target, draft, slots=slots, max_len=max_len, tree=tree, mode=mode, eos_token_id=eos_token_id)
 
-    def compile_(program, *args, what, **static):
-        nonlocal count
+    def compile_(program, *args, label, **static):
         exe = program.compile(*args, **static)
-        count += 1
         if progress:
-            progress(what)
+            progress(label)
         return exe.out_info
-
-    def prefill(prompts):
-        _, args, static = program_inputs(target, draft, prompts, 1, eos_token_id, 0, sampling, tree, cache_len=cache_len)
-        return compile_(PREFILL, *args, what=f"prefill {len(prompts[0])}", **static)
-    state = prefill([[0]] * S)
-    compile_(RETIRE, state, np.ones(S, bool), what="retire")
-    for prompt in bucket_prompts(max_len):
-        one = prefill([prompt])
-    compile_(INSERT, state, one, np.int32(0), what="insert")
-    compile_(ROUNDS, target.params, draft.params, state, SamplingParams.of(sampling), np.int32(0), what="rounds",
-             tmodule=target.module, dmodule=draft.module, tree=tree)
-    return count
+    args, static = engine._prefill_args([[0]] * engine.slots, 1, 0, SamplingConfig())
+    state = compile_(PREFILL, *args, label="prefill (slots)", **static)
+    return 1 + engine._programs(compile_, state)

@@ -1,42 +1,54 @@
-"""The serving engine's device programs over S slots: insert a prefilled request into a slot, run a
-bounded number of EAGLE-2 rounds, retire slots.
+"""The serving engine's device programs over S slots: insert a prefilled request into a slot, move a
+row between slots, run a bounded number of rounds on the first R slots, retire slots.
 
 A slot is one row of an `eagle.EagleState` whose batch is the slot count; an idle slot is a done row,
 which every round leaves untouched. A request is prefilled on its own (eagle.PREFILL, batch 1, the
-engine's cache bucket), then INSERT writes that one-row state into its slot. Every program here is
-compiled once per (slot count, cache bucket, tree): arrivals, departures and lengths are data.
+engine's cache bucket), then INSERT writes that one-row state into its slot. ROUNDS computes only the
+first R rows (R, the slot bucket, a power of two covering the busy slots): one request on an
+eight-slot engine runs batch-1 rounds. Every program here is compiled once per (slot count, slot
+bucket, cache bucket, tree or plain, greedy or sampling): arrivals, departures, lengths and sampling
+values are data.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from ..cache import KVCache
-from ..eagle import EagleState, eagle_round
+from ..config import TreeConfig
+from ..eagle import EagleState, eagle_round, plain_round
 from ..programs import Program
 
-
-def _put_row(big, one, slot, axis: int):
-    """`big` with its row `slot` along `axis` replaced by `one`'s row 0."""
-    row = jax.lax.index_in_dim(one, 0, axis, keepdims=True).astype(big.dtype)
-    start = [jnp.int32(0)] * big.ndim
-    start[axis] = slot
-    return jax.lax.dynamic_update_slice(big, row, start)
+ROW_FIELDS = ("root_B", "hidden_BD", "out_BM", "n_out_B", "done_B", "max_new_B", "keys_B", "accept_BR", "rounds_B")
 
 
-def _put_cache(big: KVCache, one: KVCache, slot) -> KVCache:
-    return KVCache(k=_put_row(big.k, one.k, slot, 1), v=_put_row(big.v, one.v, slot, 1),
-                   length=_put_row(big.length, one.length, slot, 0))
+def _map_rows(fn, *states: EagleState) -> EagleState:
+    """fn(arrays, row_axis) over every per-row array of the states (KV buffers: rows on axis 1)."""
+    def cache(*cs):
+        return KVCache(k=fn([c.k for c in cs], 1), v=fn([c.v for c in cs], 1), length=fn([c.length for c in cs], 0))
+    rows = {f: fn([getattr(s, f) for s in states], 0) for f in ROW_FIELDS}
+    return states[0].replace(tcache=cache(*(s.tcache for s in states)), dcache=cache(*(s.dcache for s in states)),
+                             **rows)
+
+
+def _put(big, part, start, axis: int):
+    at = [jnp.int32(0)] * big.ndim
+    at[axis] = start
+    return jax.lax.dynamic_update_slice(big, part.astype(big.dtype), at)
 
 
 def insert(st: EagleState, one: EagleState, slot) -> EagleState:
-    """The slots' state with slot `slot` holding the prefilled request `one` (a one-row state of the
-    same cache bucket): both caches, root, hidden state, output row, counters and key."""
-    rows = {f: _put_row(getattr(st, f), getattr(one, f), slot, 0)
-            for f in ("root_B", "hidden_BD", "out_BM", "n_out_B", "done_B", "max_new_B", "keys_B", "accept_BR",
-                      "rounds_B")}
-    return st.replace(tcache=_put_cache(st.tcache, one.tcache, slot), dcache=_put_cache(st.dcache, one.dcache, slot),
-                      **rows)
+    """The slots' state with slot `slot` holding the one-row state `one` (same cache bucket): both
+    caches, root, hidden state, output row, counters and key."""
+    return _map_rows(lambda xs, axis: _put(xs[0], jax.lax.slice_in_dim(xs[1], 0, 1, axis=axis), slot, axis),
+                     st, one)
+
+
+def move(st: EagleState, src, dst) -> EagleState:
+    """Row `src` copied into slot `dst` (the engine then retires `src`): packs busy rows low."""
+    return insert(st, _map_rows(lambda xs, axis: jax.lax.dynamic_slice_in_dim(xs[0], src, 1, axis), st), dst)
 
 
 def retire(st: EagleState, stop_B) -> EagleState:
@@ -44,9 +56,14 @@ def retire(st: EagleState, stop_B) -> EagleState:
     return st.replace(done_B=st.done_B | stop_B)
 
 
-def rounds(tmodule, tparams, dmodule, dparams, st: EagleState, sampling, max_rounds, *, tree) -> EagleState:
-    """Up to `max_rounds` rounds, returning early once a row finishes (its slot can then be reused)."""
-    done0 = jnp.sum(st.done_B)
+def rounds(tmodule, tparams, dmodule, dparams, st: EagleState, sampling, max_rounds, *,
+           tree: Optional[TreeConfig], rows: int, catch_up: bool = True) -> EagleState:
+    """Up to `max_rounds` rounds of `tree` (None: plain decoding steps) over the first `rows` slots,
+    returning early once a row finishes (its slot can then be reused). `sampling`: scalars or one
+    value per row of the `rows`."""
+    S = st.done_B.shape[0]
+    sub = st if rows == S else _map_rows(lambda xs, axis: jax.lax.slice_in_dim(xs[0], 0, rows, axis=axis), st)
+    done0 = jnp.sum(sub.done_B)
 
     def more(carry):
         s, i = carry
@@ -54,22 +71,33 @@ def rounds(tmodule, tparams, dmodule, dparams, st: EagleState, sampling, max_rou
 
     def body(carry):
         s, i = carry
+        if tree is None:
+            return plain_round(tmodule, tparams, dmodule, dparams, s, sampling, catch_up), i + 1
         return eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), i + 1
-    return jax.lax.while_loop(more, body, (st, jnp.int32(0)))[0]
+    sub = jax.lax.while_loop(more, body, (sub, jnp.int32(0)))[0]
+    if rows == S:
+        return sub
+    return _map_rows(lambda xs, axis: _put(xs[0], xs[1], 0, axis), st, sub).replace(step=sub.step)
 
 
 def _insert(st, one, slot):
     return insert(st, one, slot)
 
 
+def _move(st, src, dst):
+    return move(st, src, dst)
+
+
 def _retire(st, stop_B):
     return retire(st, stop_B)
 
 
-def _rounds(tparams, dparams, st, sampling, max_rounds, *, tmodule, dmodule, tree):
-    return rounds(tmodule, tparams, dmodule, dparams, st, sampling, max_rounds, tree=tree)
+def _rounds(tparams, dparams, st, sampling, max_rounds, *, tmodule, dmodule, tree, rows, catch_up):
+    return rounds(tmodule, tparams, dmodule, dparams, st, sampling, max_rounds, tree=tree, rows=rows,
+                  catch_up=catch_up)
 
 
 INSERT = Program(_insert, (), donate=("st",))
+MOVE = Program(_move, (), donate=("st",))
 RETIRE = Program(_retire, (), donate=("st",))
-ROUNDS = Program(_rounds, ("tmodule", "dmodule", "tree"), donate=("st",), loop=True)
+ROUNDS = Program(_rounds, ("tmodule", "dmodule", "tree", "rows", "catch_up"), donate=("st",), loop=True)
