@@ -133,7 +133,8 @@ def accept_and_commit(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st:
         path, n_acc, bonus = (jnp.where(g.reshape(g.shape + (1,) * (a.ndim - 1)), a, b)
                               for a, b in zip((path, n_acc, bonus), drawn))
     n_acc = jnp.where(active, n_acc, 0)
-    tcache = compact(v.tcache, path, n_acc)
+    # one verified node (plain rounds) already sits at the commit position: nothing to move
+    tcache = advance(v.tcache, n_acc) if C == 1 else compact(v.tcache, path, n_acc)
     # the accepted draft tokens (the path after its root), then the bonus
     d = jnp.arange(C)[None]
     path_tok = jnp.take_along_axis(t.tokens_BN, path, axis=1, mode="promise_in_bounds")  # [B, C], root first

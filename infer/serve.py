@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Optional
 
+import jax
 import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +33,17 @@ import eagle2_jax as e2
 from eagle2_jax.programs import enable_compile_cache
 from eagle2_jax.serving import Engine, compile_programs
 from infer.cli import Parser, add_backend_args, add_model_args, fail, load_models, positive_int
+
+
+_XLA_COMPILES = [0]  # every XLA compile in this process (jax.monitoring): /metrics shows none after warm-up
+
+
+def _count_compile(event: str, _seconds: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _XLA_COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 class OpenAIError(Exception):
@@ -108,7 +120,10 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64)
         "accept": Histogram("eagle2_accept_length", "tokens added per EAGLE-2 round", registry=registry,
                             buckets=(1, 2, 3, 4, 5, 6, 8)),
         "ttft": Histogram("eagle2_time_to_first_token_seconds", "time to first token", registry=registry),
+        "compiles": Gauge("eagle2_xla_compiles", "XLA programs compiled by this process (warm-up included)",
+                          registry=registry),
     }
+    metrics["compiles"].set_function(lambda: _XLA_COMPILES[0])
     worker = Worker(engine, metrics)
     eos = tokenizer.eos_token_id
 

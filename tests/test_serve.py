@@ -144,6 +144,8 @@ def test_metrics_count_requests_and_tokens(server):
     post(url, "/v1/completions", json.dumps({"prompt": "Hello", "max_tokens": 3}).encode())
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
+    compiles = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("eagle2_xla_compiles ")]
+    assert len(compiles) == 1 and compiles[0] > 0  # warm-up compiled; no new compiles are asserted in test_serving
     for name in ("eagle2_requests_total", "eagle2_generated_tokens_total", "eagle2_queue_depth",
                  "eagle2_running_rows", "eagle2_accept_length_bucket", "eagle2_time_to_first_token_seconds_bucket"):
         assert name in text
@@ -157,3 +159,13 @@ def test_bench_serve_measures_a_bounded_load(server):
     r = run_load(url, MODEL, ["Name a prime number.", "What is JAX?", "Count to three."], 8, 120, concurrency=2)
     assert r["requests"] == 3 and 3 <= r["completion_tokens"] <= 24
     assert r["ttft_ms_p50"] is not None and r["tokens_per_s"] > 0
+
+
+def test_bench_serve_writes_its_tables(server, tmp_path):
+    from infer.bench_serve import main
+    url, _, _ = server
+    main(["--url", url, "--limit", "2", "--max-tokens", "6", "--concurrency", "1,2", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_serve.json").read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2] and all(r["requests"] == 2 for r in rows)
+    assert all(r["compiles"] is not None for r in rows)  # read from the server's /metrics
+    assert (tmp_path / "bench_serve.md").read_text().count("clients") == 2

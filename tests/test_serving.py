@@ -110,8 +110,8 @@ def test_compile_only_for_a_shape_without_weights():
     assert t.abstract
     n = compile_programs(t, d, slots=2, max_len=40, tree=TREE)
     # the slots' prefill; prompt buckets 16, 32 and 64 greedy and sampling; insert, move, retire;
-    # rounds over 1 and 2 rows, greedy and sampling
-    assert n == 1 + 3 * 2 + 3 + 2 * 2
+    # rounds over 1 and 2 rows, the tree and plain (for stale drafts), greedy and sampling
+    assert n == 1 + 3 * 2 + 3 + 2 * 2 * 2
 
 
 def test_mixed_greedy_and_sampled_rows_under_a_load_plan(pair, reference):
@@ -124,15 +124,19 @@ def test_mixed_greedy_and_sampled_rows_under_a_load_plan(pair, reference):
     engine.warmup()
     before = compiles()
     sampled = [dict(temperature=0.8, top_p=0.9, seed=11), dict(temperature=1.3, top_k=5, seed=12)]
+    reference_first = e2.generate_vanilla(t, [PROMPTS[0]], max_new_tokens=50).tokens[0]
     want = [e2.generate(t, d, [PROMPTS[1]], max_new_tokens=MAX_NEW[1], tree=TREE, **kw).tokens[0]
             for kw in sampled]
-    first = engine.submit(PROMPTS[0], MAX_NEW[0])
+    first = engine.submit(PROMPTS[0], 50)
     engine.step()
     engine.step()  # alone: tree rounds
+    assert engine.dispatches == {(1, TREE): 2}
     reqs = [engine.submit(PROMPTS[1], MAX_NEW[1], **kw) for kw in sampled] + [engine.submit(PROMPTS[3], MAX_NEW[3])]
     engine.run(max_steps=500)
-    assert first.tokens == reference[0] and reqs[2].tokens == reference[3]
-    assert any(a > 1 for a in first.accept_lengths) and 1 in first.accept_lengths  # tree, then plain rounds
+    assert first.tokens == reference_first and reqs[2].tokens == reference[3]
+    assert any(a > 1 for a in first.accept_lengths)
+    # busy: plain rounds over 4 rows; then `first`, alone again with a stale draft, stays plain
+    assert engine.dispatches[4, None] > 0 and engine.dispatches[1, None] > 0 and engine.dispatches[1, TREE] == 2
     alone = engine.submit(PROMPTS[1], MAX_NEW[1], **sampled[0])  # the seeded request again, alone: tree rounds
     engine.run(max_steps=500)
     assert alone.tokens == want[0]

@@ -16,8 +16,9 @@ whose rows are done; a lone row left high is moved down (programs.MOVE) so the b
 
 Speculation adapts to load: the plan maps each slot bucket to a tree or to plain decoding (None),
 from the head's tree.json (`by_batch`, timed per batch size) unless a tree is given; `mode="vanilla"`
-serves plain decoding only. Plain rounds keep the draft caught up, so the next dispatch may draft
-again. Sampling is per request (temperature, top-p, top-k, seed; temperature 0 is greedy): the
+serves plain decoding only. Plain rounds cost exactly plain decoding (the draft does not follow
+them), so a row that took one has a stale draft and keeps to plain rounds until it ends: a tree is
+drafted only while every busy row's draft is current. Sampling is per request (temperature, top-p, top-k, seed; temperature 0 is greedy): the
 greedy program runs while every busy row is greedy, the sampling program (greedy rows kept greedy)
 otherwise. Rows are independent, so a request's tokens never depend on what else is in the batch.
 Stop token ids beyond the model's EOS are checked on the host, which then retires the row.
@@ -131,6 +132,8 @@ class Engine:
         self._temperature = np.zeros(self.slots, np.float32)  # per slot: the request's sampling
         self._top_k = np.zeros(self.slots, np.int32)
         self._top_p = np.ones(self.slots, np.float32)
+        self._current = np.zeros(self.slots, bool)  # the row's draft has followed every token (no plain rounds)
+        self.dispatches: collections.Counter = collections.Counter()  # (rows, tree or None: plain) -> count
         self.state = None  # the slots' EagleState, made on first use: every row done (idle)
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -184,7 +187,14 @@ class Engine:
             return
         self._pack()
         rows = self.bucket()
-        self.state = self._dispatch(self.state, rows, self._sampling(rows), self.k)
+        tree = self.plan[rows]
+        busy = list(self.running)
+        if tree is not None and not self._current[busy].all():
+            tree = None  # a stale draft among the busy rows
+        self.state = self._dispatch(self.state, rows, tree, self._sampling(rows), self.k)
+        self.dispatches[rows, tree] += 1
+        if tree is None:
+            self._current[busy] = False
         self._hand_out()
 
     def bucket(self) -> int:
@@ -232,14 +242,14 @@ class Engine:
         state = counted(MOVE, state, np.int32(0), np.int32(self.slots - 1), label="move")
         state = counted(RETIRE, state, np.ones(self.slots, bool), label="retire")
         for rows in self.buckets:
-            for greedy in (True, False):
-                s = SamplingParams.of(SamplingConfig()) if greedy else SamplingParams.rows(
-                    np.ones(rows), np.zeros(rows), np.ones(rows))
-                what = "plain" if self.plan[rows] is None else "tree " + "/".join(
-                    map(str, (self.plan[rows].depth, self.plan[rows].top_k, self.plan[rows].total_tokens)))
-                state = counted(ROUNDS, *self._rounds_args(state, rows, s, 0),
-                                label=f"rounds {rows} rows, {what}{'' if greedy else ' (sampling)'}",
-                                **self._rounds_static(rows))
+            for tree in dict.fromkeys((self.plan[rows], None)):  # the plan's tree, and plain for stale drafts
+                for greedy in (True, False):
+                    s = SamplingParams.of(SamplingConfig()) if greedy else SamplingParams.rows(
+                        np.ones(rows), np.zeros(rows), np.ones(rows))
+                    what = "plain" if tree is None else f"tree {tree.depth}/{tree.top_k}/{tree.total_tokens}"
+                    state = counted(ROUNDS, *self._rounds_args(state, s, 0),
+                                    label=f"rounds {rows} rows, {what}{'' if greedy else ' (sampling)'}",
+                                    **self._rounds_static(rows, tree))
         self.state = state
         return count
 
@@ -260,15 +270,14 @@ class Engine:
         if self.state is None:
             self.state = self._idle_state()
 
-    def _rounds_args(self, state, rows, sampling, k):
+    def _rounds_args(self, state, sampling, k):
         return self.target.params, self.draft.params, state, sampling, np.int32(k)
 
-    def _rounds_static(self, rows):
-        return dict(tmodule=self.target.module, dmodule=self.draft.module, tree=self.plan[rows], rows=rows,
-                    catch_up=self.mode != "vanilla")
+    def _rounds_static(self, rows, tree):
+        return dict(tmodule=self.target.module, dmodule=self.draft.module, tree=tree, rows=rows, catch_up=False)
 
-    def _dispatch(self, state, rows, sampling, k):
-        return ROUNDS(*self._rounds_args(state, rows, sampling, k), **self._rounds_static(rows))
+    def _dispatch(self, state, rows, tree, sampling, k):
+        return ROUNDS(*self._rounds_args(state, sampling, k), **self._rounds_static(rows, tree))
 
     def _sampling(self, rows: int) -> SamplingParams:
         """The dispatch's sampling: the greedy program while every busy row is greedy, else per row."""
@@ -283,6 +292,7 @@ class Engine:
         r.slot = slot
         self.running[slot] = r
         self._seen[slot] = self._rounds[slot] = 0
+        self._current[slot] = True
         s = r.sampling
         self._temperature[slot], self._top_k[slot], self._top_p[slot] = s.temperature, s.top_k, s.top_p
 
@@ -296,7 +306,7 @@ class Engine:
             self.state = RETIRE(self.state, np.arange(self.slots) == src)
             r = self.running.pop(src)
             r.slot, self.running[dst] = dst, r
-            for a in (self._seen, self._rounds, self._temperature, self._top_k, self._top_p):
+            for a in (self._seen, self._rounds, self._temperature, self._top_k, self._top_p, self._current):
                 a[dst] = a[src]
             self._idle_slot(src)
 
