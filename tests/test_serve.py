@@ -2,6 +2,7 @@
 decoding, streaming equals the whole answer, concurrent requests stay independent, and bad requests
 get OpenAI-shaped errors while the server keeps serving. Request loops are bounded."""
 import concurrent.futures
+import contextlib
 import json
 import threading
 import time
@@ -19,26 +20,35 @@ uvicorn = pytest.importorskip("uvicorn")
 MODEL = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def server(smollm2):
-    import eagle2_jax as e2
-    from eagle2_jax.serving import Engine
+@contextlib.contextmanager
+def serving(engine, tokenizer, queue_limit=8):
+    """The app over `engine` on 127.0.0.1 (a free port) in a thread; yields (url, app)."""
     from infer.serve import build_app
-    draft = e2.load_draft(MODEL, smollm2)
-    engine = Engine(smollm2, draft, slots=2, max_len=256, eos_token_id=smollm2.tokenizer.eos_token_id,
-                    rounds_per_dispatch=4)
-    engine.warmup()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, smollm2.tokenizer, MODEL, queue_limit=8),
-                                       host="127.0.0.1", port=0, log_level="warning"))
+    app = build_app(engine, tokenizer, MODEL, queue_limit=queue_limit)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 60
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
     port = srv.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", smollm2, engine
-    srv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2):
+    import eagle2_jax as e2
+    from eagle2_jax.serving import Engine
+    draft = e2.load_draft(MODEL, smollm2)
+    engine = Engine(smollm2, draft, slots=2, max_len=256, eos_token_id=smollm2.tokenizer.eos_token_id,
+                    rounds_per_dispatch=4)
+    engine.warmup()
+    with serving(engine, smollm2.tokenizer) as (url, _):
+        yield url, smollm2, engine
 
 
 def client(url):
