@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family decoder (Llama 2/3, SmolLM, Mistral-style GQA, Qwen2 q/k/v bias)."""
+    """Llama-family decoder (Llama 2/3, SmolLM, Mistral-style GQA, Qwen2 q/k/v bias, Qwen3 q/k norm)."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -31,6 +31,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     model_type: str = "llama"
@@ -55,7 +56,9 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling) if self.rope_scaling else {}
 
-    SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+    SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+    ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -77,6 +80,10 @@ class ModelConfig:
             kw["eos_token_id"] = eos[0] if eos else None
         if model_type == "qwen2":
             kw.setdefault("attention_bias", True)
+        if model_type == "qwen3":
+            kw["qk_norm"] = True
+            if d.get("use_sliding_window") and d.get("sliding_window"):
+                raise ValueError("Qwen3 with sliding-window attention is not supported (use_sliding_window)")
         rs = kw.get("rope_scaling")
         if rs is not None and rs.get("rope_type", rs.get("type")) in (None, "default"):
             kw["rope_scaling"] = None
@@ -94,7 +101,8 @@ class ModelConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["rope_scaling"] = self.rope_scaling_dict or None
-        d["architectures"] = ["LlamaForCausalLM"]
+        d["architectures"] = [self.ARCHITECTURES.get(self.model_type, "LlamaForCausalLM")]
+        del d["qk_norm"]  # implied by the model type
         return d
 
 

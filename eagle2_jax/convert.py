@@ -79,6 +79,7 @@ HF_TABLE: Table = (
     (r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias", "layers_{0}/attn/k/bias", kv_bias),
     (r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias", "layers_{0}/attn/v/bias", kv_bias),
     (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers_{0}/attn/o/kernel", o_kernel),
+    (r"model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", "layers_{0}/attn/{1}_norm/scale", identity),
     (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers_{0}/mlp/{1}/kernel", transpose),
     (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.bias", "layers_{0}/mlp/{1}/bias", identity),
 )

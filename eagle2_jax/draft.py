@@ -83,7 +83,7 @@ class Draft:
 
 def draft_config_for(target_config: ModelConfig, **overrides) -> ModelConfig:
     d = dataclasses.asdict(target_config)
-    d.update(num_hidden_layers=1, tie_word_embeddings=False)
+    d.update(num_hidden_layers=1, tie_word_embeddings=False, qk_norm=False)  # heads use the Llama layer, for Qwen3 too
     d.update(overrides)
     return ModelConfig(**d)
 

@@ -42,7 +42,7 @@ def eagle3_layer(ops: Ops, c: ModelConfig, p, embeds_BTD, h_BTD, positions_BT, a
     eps = c.rms_norm_eps
     x = jnp.concatenate([rms_norm(ops, p["input_norm"], embeds_BTD, eps), rms_norm(ops, p["hidden_norm"], h_BTD, eps)],
                         axis=-1)
-    a, kv = attention(ops, p["attn"], x, rope_tables(c, positions_BT), attend)
+    a, kv = attention(ops, p["attn"], x, rope_tables(c, positions_BT), attend, eps)
     h = h_BTD + a
     return h + mlp(ops, p["mlp"], rms_norm(ops, p["post_norm"], h, eps)), kv
 

@@ -67,7 +67,7 @@ def load_hf_dir(directory: str, dtype="auto", mesh=None, tokenizer: bool = True)
 
 
 def save_hf_dir(target: Target, directory: str) -> str:
-    """Write `target` as a Hugging Face Llama directory (config.json + model.safetensors, float32)."""
+    """Write `target` as a Hugging Face directory of its architecture (config.json + model.safetensors, float32)."""
     from safetensors.numpy import save_file
     c = target.config
     if isinstance(target.params.get("embed"), dict):
@@ -87,6 +87,9 @@ def save_hf_dir(target: Target, directory: str) -> str:
             if "bias" in L["attn"][n]:
                 sd[pre + f"self_attn.{n}_proj.bias"] = L["attn"][n]["bias"].reshape(-1)
         sd[pre + "self_attn.o_proj.weight"] = L["attn"]["o"]["kernel"].reshape(-1, c.hidden_size).T
+        for n in ("q", "k"):
+            if f"{n}_norm" in L["attn"]:
+                sd[pre + f"self_attn.{n}_norm.weight"] = L["attn"][f"{n}_norm"]["scale"]
         mlp = layer_list.split_gate_up(L["mlp"])  # (per-layer buffers hold gate and up concatenated)
         for n in ("gate", "up", "down"):
             sd[pre + f"mlp.{n}_proj.weight"] = mlp[n]["kernel"].T

@@ -99,11 +99,15 @@ def dense(ops: Ops, p, x, n_in: int = 1):
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
 
 
-def attention(ops: Ops, p, x_BTD, rope, attend):
+def attention(ops: Ops, p, x_BTD, rope, attend, eps: float = 1e-6):
     """Self-attention through `attend(q [B,T,H,Dh], k, v [B,K,T,Dh]) -> (out [B,T,H,Dh], state)`
-    (`attend_within` / `attend_beside`), rotated by `rope` (`rope_tables`). Returns (out [B,T,D], state)."""
-    q = apply_rope(dense(ops, p["q"], x_BTD), rope)
-    k = apply_rope(dense(ops, p["k"], x_BTD), rope).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
+    (`attend_within` / `attend_beside`), rotated by `rope` (`rope_tables`); with p["q_norm"] and
+    p["k_norm"] (Qwen3) each head's queries and keys are RMS-normalised first. Returns (out [B,T,D], state)."""
+    q, k = dense(ops, p["q"], x_BTD), dense(ops, p["k"], x_BTD)
+    if "q_norm" in p:
+        q, k = rms_norm(ops, p["q_norm"], q, eps), rms_norm(ops, p["k_norm"], k, eps)
+    q = apply_rope(q, rope)
+    k = apply_rope(k, rope).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
     v = dense(ops, p["v"], x_BTD).transpose(0, 2, 1, 3)
     out, state = attend(q, k, v)
     return dense(ops, p["o"], out.astype(x_BTD.dtype), n_in=2), state
@@ -143,7 +147,7 @@ def decoder_layer(ops: Ops, c: ModelConfig, p, x_BTD, rope, attend):
     """Pre-norm Llama layer; without p["input_norm"] it is the EAGLE draft layer (the input is
     already normalised). `rope`: the tokens' `rope_tables`. Returns (x [B,T,D], the state `attend` returns)."""
     h = rms_norm(ops, p["input_norm"], x_BTD, c.rms_norm_eps) if "input_norm" in p else x_BTD
-    a, state = attention(ops, p["attn"], h, rope, attend)
+    a, state = attention(ops, p["attn"], h, rope, attend, c.rms_norm_eps)
     x = x_BTD + a
     x = x + mlp(ops, p["mlp"], rms_norm(ops, p["post_norm"], x, c.rms_norm_eps))
     return x, state
@@ -170,6 +174,9 @@ def init_layer(key, c: ModelConfig, dtype, input_norm: bool = True) -> dict:
          "mlp": {"gate": init_dense(ks[4], (D,), (F,), mb, dtype), "up": init_dense(ks[5], (D,), (F,), mb, dtype),
                  "down": init_dense(ks[6], (F,), (D,), mb, dtype)},
          "post_norm": {"scale": jnp.ones((D,), dtype)}}
+    if c.qk_norm:
+        p["attn"]["q_norm"] = {"scale": jnp.ones((Dh,), dtype)}
+        p["attn"]["k_norm"] = {"scale": jnp.ones((Dh,), dtype)}
     if input_norm:
         p["input_norm"] = {"scale": jnp.ones((D,), dtype)}
     return p

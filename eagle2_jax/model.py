@@ -4,6 +4,7 @@ Param tree (per-layer params stacked on a leading layer axis L, run with `lax.sc
 time and program size do not grow with depth):
   embed [V, D]; layers/{input_norm,post_norm}/scale [L, D];
   layers/attn/{q,k,v}/kernel [L, D, H|K, Dh] (+ bias [L, H|K, Dh]); layers/attn/o/kernel [L, H, Dh, D];
+  layers/attn/{q,k}_norm/scale [L, Dh] (Qwen3);
   layers/mlp/{gate,up}/kernel [L, D, F]; layers/mlp/down/kernel [L, F, D]; norm/scale [D];
   lm_head [D, V] when embeddings are untied.
 Every product goes through the module's `ops` (eagle2_jax.ops), chosen when the target is loaded.

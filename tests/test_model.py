@@ -1,4 +1,5 @@
-"""Target model: against Hugging Face's PyTorch Llama (tiny random, built here), cache paths, errors."""
+"""Target model: against Hugging Face's PyTorch Llama, Qwen2 and Qwen3 (tiny random, built here), cache
+paths, errors."""
 import dataclasses
 import json
 import os
@@ -25,6 +26,7 @@ HF_CASES = {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
                         rope_theta=500000.0),
     "qwen2_bias": dict(model_type="qwen2"),
+    "qwen3_qk_norm": dict(model_type="qwen3", head_dim=24),  # head_dim from the config, not hidden / heads
 }
 
 
@@ -36,9 +38,9 @@ def _hf_model(tmp_path, case):
               tie_word_embeddings=False, rms_norm_eps=1e-5)
     kw.update(HF_CASES[case])
     torch.manual_seed(0)
-    if kw.get("model_type") == "qwen2":
-        kw.pop("model_type")
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
+    if kw.get("model_type") in ("qwen2", "qwen3"):
+        arch = kw.pop("model_type").capitalize()
+        model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**kw))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
     with torch.no_grad():  # non-trivial norms and biases
