@@ -13,7 +13,7 @@ import eagle2_jax as e2
 from eagle2_jax.eagle import PREFILL, program_inputs
 from eagle2_jax.sampling import SamplingParams
 from eagle2_jax.serving import Engine
-from eagle2_jax.serving.programs import INSERT, MOVE, RETIRE, ROUNDS
+from eagle2_jax.serving.programs import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
 from helpers import permutation_oracle, tiny_config
 
 TREE = e2.TreeConfig(3, 2, 6)
@@ -35,7 +35,7 @@ def reference(pair):
 
 
 def compiles():
-    return tuple(p.num_compiled for p in (PREFILL, INSERT, MOVE, ROUNDS, RETIRE))
+    return tuple(p.num_compiled for p in (PREFILL, INSERT, MOVE, RESIZE, ROUNDS, RETIRE))
 
 
 def test_staggered_arrivals_are_token_identical_to_plain_decoding_and_compile_nothing(pair, reference):
@@ -109,9 +109,10 @@ def test_compile_only_for_a_shape_without_weights():
     d = e2.init_draft(t)
     assert t.abstract
     n = compile_programs(t, d, slots=2, max_len=40, tree=TREE)
-    # the slots' prefill; prompt buckets 16, 32 and 64 greedy and sampling; insert, move, retire;
-    # rounds over 1 and 2 rows, the tree and plain (for stale drafts), greedy and sampling
-    assert n == 1 + 3 * 2 + 3 + 2 * 2 * 2
+    # the idle slots' prefill; prompt buckets 16, 32 and 64 greedy and sampling; per slot bucket (1 and
+    # 2 rows) insert, move, retire, and rounds of the tree and plain (for stale drafts), greedy and
+    # sampling; resizes 1 -> 2 and 2 -> 1
+    assert n == 1 + 3 * 2 + 2 * (3 + 2 * 2) + 2
 
 
 def test_mixed_greedy_and_sampled_rows_under_a_load_plan(pair, reference):
@@ -151,10 +152,10 @@ def test_a_busy_row_left_high_moves_down_to_a_smaller_bucket(pair, reference):
     engine.step()  # all four admitted; the three short ones finish in the first round
     assert [r.finished for r in reqs] == [True, True, True, False] and reqs[3].slot == 3
     engine.step()
-    assert reqs[3].slot == 0 and engine.bucket() == 1  # moved down: batch-1 rounds
+    assert reqs[3].slot == 0 and engine.rows == 1  # moved down, the state shrunk: batch-1 rounds
     engine.run(max_steps=500)
     assert reqs[3].tokens == reference[3]
-    assert engine.bucket() == 1  # nothing busy
+    assert engine.dispatches == {(4, TREE): 1, (1, TREE): engine.dispatches[1, TREE]}
 
 
 @pytest.mark.parametrize("tree", [e2.TreeConfig(2, 3, 8), None], ids=["tree", "plain"])
@@ -182,7 +183,7 @@ def test_engine_rounds_sample_each_row_from_its_own_settings(tree):
         st = PREFILL(*args, **static)
         for _ in range(3):  # each call returns once some row finishes
             st = ROUNDS(t.params, d.params, st, s, np.int32(10), tmodule=t.module, dmodule=d.module, tree=tree,
-                        rows=R, catch_up=True)
+                        catch_up=True)
         toks = np.asarray(st.out_BM)[:, :3]
         assert (np.asarray(st.n_out_B) == 3).all()
         np.add.at(counts, (group, toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]), 1)

@@ -9,10 +9,12 @@ and a host loop that admits, dispatches a bounded number of rounds, hands out to
     r.tokens
 
 Each request is prefilled alone (eagle.PREFILL, batch 1, the engine's cache bucket: one program per
-prompt bucket) and inserted into the lowest free slot (programs.INSERT). `step` then runs up to
-`rounds_per_dispatch` rounds on device over the slot bucket that covers the busy slots (programs.
-ROUNDS, returning early when a row finishes), reads each busy row's new tokens and frees the slots
-whose rows are done; a lone row left high is moved down (programs.MOVE) so the bucket shrinks.
+prompt bucket) and inserted into the lowest free slot (programs.INSERT). The device state holds as
+many rows as the slot bucket covering the busy slots (a power of two up to `slots`; programs.RESIZE
+when the load changes bucket, after programs.MOVE packs busy rows low), so a dispatch computes no
+more rows than that. `step` runs up to `rounds_per_dispatch` rounds on device (programs.ROUNDS,
+returning early when a row finishes), reads each busy row's new tokens and frees the slots whose
+rows are done.
 
 Speculation adapts to load: the plan maps each slot bucket to a tree or to plain decoding (None),
 from the head's tree.json (`by_batch`, timed per batch size) unless a tree is given; `mode="vanilla"`
@@ -42,7 +44,7 @@ from ..eagle import PREFILL, program_inputs, scratch_slots
 from ..model import Target
 from ..sampling import SamplingParams
 from ..sharding import batch_multiple, to_host
-from .programs import INSERT, MOVE, RETIRE, ROUNDS
+from .programs import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
 
 MODES = ("eagle", "vanilla")
 PLAIN_SLACK = TreeConfig(1, 1, 1)  # a plain round's scratch: the root and the commit
@@ -134,7 +136,8 @@ class Engine:
         self._top_p = np.ones(self.slots, np.float32)
         self._current = np.zeros(self.slots, bool)  # the row's draft has followed every token (no plain rounds)
         self.dispatches: collections.Counter = collections.Counter()  # (rows, tree or None: plain) -> count
-        self.state = None  # the slots' EagleState, made on first use: every row done (idle)
+        self.state = None  # the busy slots' EagleState (self.rows rows), made on first use: every row idle
+        self.rows = self.buckets[0]
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (), *,
@@ -180,27 +183,29 @@ class Engine:
         """Admit waiting requests into the lowest free slots, run up to rounds_per_dispatch rounds over
         the slot bucket covering the busy slots, hand out the new tokens and free finished slots."""
         self._ensure_state()
-        free = [s for s in range(self.slots) if s not in self.running]
-        while self.queue and free:
-            self._admit(self.queue.popleft(), free.pop(0))
+        n = min(len(self.queue), self.slots - len(self.running))
+        if n:
+            self._resize(max(self.rows, self.bucket_for(len(self.running) + n)))
+            free = [s for s in range(self.rows) if s not in self.running]
+            for slot in free[:n]:
+                self._admit(self.queue.popleft(), slot)
+        self._pack()
         if not self.running:
             return
-        self._pack()
-        rows = self.bucket()
+        rows = self.rows
         tree = self.plan[rows]
         busy = list(self.running)
         if tree is not None and not self._current[busy].all():
             tree = None  # a stale draft among the busy rows
-        self.state = self._dispatch(self.state, rows, tree, self._sampling(rows), self.k)
+        self.state = self._dispatch(self.state, tree, self._sampling(rows), self.k)
         self.dispatches[rows, tree] += 1
         if tree is None:
             self._current[busy] = False
         self._hand_out()
 
-    def bucket(self) -> int:
-        """Rows the next dispatch computes: the smallest slot bucket covering every busy slot."""
-        top = max(self.running, default=-1) + 1
-        return next(b for b in self.buckets if b >= top)
+    def bucket_for(self, busy: int) -> int:
+        """The smallest slot bucket holding `busy` rows."""
+        return next(b for b in self.buckets if b >= busy)
 
     def run(self, max_steps: int = 100_000) -> None:
         """Step until every request has finished (bounded by max_steps dispatches)."""
@@ -238,10 +243,22 @@ class Engine:
                 args, static = self._prefill_args([prompt], 1, 0, self._sampling_of(greedy))
                 one = counted(PREFILL, *args, label=f"prefill {len(prompt)}{'' if greedy else ' (sampling)'}",
                               **static)
-        state = counted(INSERT, state, one, np.int32(0), label="insert")
-        state = counted(MOVE, state, np.int32(0), np.int32(self.slots - 1), label="move")
-        state = counted(RETIRE, state, np.ones(self.slots, bool), label="retire")
-        for rows in self.buckets:
+        cur, pairs = self.buckets[0], set()
+
+        def resize(to):
+            nonlocal state, cur
+            if to != cur:
+                if (cur, to) in pairs:  # compiled already: run it, count it once
+                    state = call(RESIZE, state, label=f"resize {cur} to {to} rows", rows=to)
+                else:
+                    pairs.add((cur, to))
+                    state = counted(RESIZE, state, label=f"resize {cur} to {to} rows", rows=to)
+                cur = to
+        for rows in self.buckets:  # the state at each bucket: every program over it
+            resize(rows)
+            state = counted(INSERT, state, one, np.int32(0), label=f"insert ({rows} rows)")
+            state = counted(MOVE, state, np.int32(0), np.int32(rows - 1), label=f"move ({rows} rows)")
+            state = counted(RETIRE, state, np.ones(rows, bool), label=f"retire ({rows} rows)")
             for tree in dict.fromkeys((self.plan[rows], None)):  # the plan's tree, and plain for stale drafts
                 for greedy in (True, False):
                     s = SamplingParams.of(SamplingConfig()) if greedy else SamplingParams.rows(
@@ -249,8 +266,14 @@ class Engine:
                     what = "plain" if tree is None else f"tree {tree.depth}/{tree.top_k}/{tree.total_tokens}"
                     state = counted(ROUNDS, *self._rounds_args(state, s, 0),
                                     label=f"rounds {rows} rows, {what}{'' if greedy else ' (sampling)'}",
-                                    **self._rounds_static(rows, tree))
-        self.state = state
+                                    **self._rounds_static(tree))
+        for a in self.buckets:  # every other resize a load change can ask for
+            for b in self.buckets:
+                if a != b and (a, b) not in pairs:
+                    resize(a)
+                    resize(b)
+        resize(self.buckets[0])
+        self.state, self.rows = state, cur
         return count
 
     @staticmethod
@@ -263,21 +286,28 @@ class Engine:
         return args, static
 
     def _idle_state(self):
-        args, static = self._prefill_args([[0]] * self.slots, 1, self.seed, SamplingConfig())
-        return RETIRE(PREFILL(*args, **static), np.ones(self.slots, bool))
+        """A state of the smallest bucket's rows, all idle."""
+        rows = self.buckets[0]
+        args, static = self._prefill_args([[0]] * rows, 1, self.seed, SamplingConfig())
+        return RETIRE(PREFILL(*args, **static), np.ones(rows, bool))
 
     def _ensure_state(self) -> None:
         if self.state is None:
-            self.state = self._idle_state()
+            self.state, self.rows = self._idle_state(), self.buckets[0]
+
+    def _resize(self, rows: int) -> None:
+        if rows != self.rows:
+            self.state = RESIZE(self.state, rows=rows)
+            self.rows = rows
 
     def _rounds_args(self, state, sampling, k):
         return self.target.params, self.draft.params, state, sampling, np.int32(k)
 
-    def _rounds_static(self, rows, tree):
-        return dict(tmodule=self.target.module, dmodule=self.draft.module, tree=tree, rows=rows, catch_up=False)
+    def _rounds_static(self, tree):
+        return dict(tmodule=self.target.module, dmodule=self.draft.module, tree=tree, catch_up=False)
 
-    def _dispatch(self, state, rows, tree, sampling, k):
-        return ROUNDS(*self._rounds_args(state, sampling, k), **self._rounds_static(rows, tree))
+    def _dispatch(self, state, tree, sampling, k):
+        return ROUNDS(*self._rounds_args(state, sampling, k), **self._rounds_static(tree))
 
     def _sampling(self, rows: int) -> SamplingParams:
         """The dispatch's sampling: the greedy program while every busy row is greedy, else per row."""
@@ -297,24 +327,27 @@ class Engine:
         self._temperature[slot], self._top_k[slot], self._top_p[slot] = s.temperature, s.top_k, s.top_p
 
     def _pack(self) -> None:
-        """Move rows from slots above the bucket the busy count needs into free slots below it."""
-        need = next(b for b in self.buckets if b >= len(self.running))
+        """Move rows from slots above the bucket the busy count needs into free slots below it, then
+        shrink the state to that bucket."""
+        need = self.bucket_for(len(self.running))
         high = sorted((s for s in self.running if s >= need), reverse=True)
         free = [s for s in range(need) if s not in self.running]
         for src, dst in zip(high, free):
             self.state = MOVE(self.state, np.int32(src), np.int32(dst))
-            self.state = RETIRE(self.state, np.arange(self.slots) == src)
+            self.state = RETIRE(self.state, np.arange(self.rows) == src)
             r = self.running.pop(src)
             r.slot, self.running[dst] = dst, r
             for a in (self._seen, self._rounds, self._temperature, self._top_k, self._top_p, self._current):
                 a[dst] = a[src]
             self._idle_slot(src)
+        if need < self.rows:
+            self._resize(need)
 
     def _idle_slot(self, s: int) -> None:
         self._temperature[s], self._top_k[s], self._top_p[s] = 0.0, 0, 1.0
 
     def _retire(self, slots) -> None:
-        stop = np.zeros(self.slots, bool)
+        stop = np.zeros(self.rows, bool)
         stop[list(slots)] = True
         self.state = RETIRE(self.state, stop)
         for s in slots:
@@ -359,6 +392,6 @@ def compile_programs(target: Target, draft: Draft, *, slots: int = 4, max_len: i
         if progress:
             progress(label)
         return exe.out_info
-    args, static = engine._prefill_args([[0]] * engine.slots, 1, 0, SamplingConfig())
-    state = compile_(PREFILL, *args, label="prefill (slots)", **static)
+    args, static = engine._prefill_args([[0]] * engine.buckets[0], 1, 0, SamplingConfig())
+    state = compile_(PREFILL, *args, label="prefill (idle slots)", **static)
     return 1 + engine._programs(compile_, state)

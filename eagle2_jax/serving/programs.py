@@ -1,13 +1,14 @@
-"""The serving engine's device programs over S slots: insert a prefilled request into a slot, move a
-row between slots, run a bounded number of rounds on the first R slots, retire slots.
+"""The serving engine's device programs over a state of R slots: insert a prefilled request into a slot,
+move a row between slots, resize the state to another slot bucket, run a bounded number of rounds,
+retire slots.
 
-A slot is one row of an `eagle.EagleState` whose batch is the slot count; an idle slot is a done row,
-which every round leaves untouched. A request is prefilled on its own (eagle.PREFILL, batch 1, the
-engine's cache bucket), then INSERT writes that one-row state into its slot. ROUNDS computes only the
-first R rows (R, the slot bucket, a power of two covering the busy slots): one request on an
-eight-slot engine runs batch-1 rounds. Every program here is compiled once per (slot count, slot
-bucket, cache bucket, tree or plain, greedy or sampling): arrivals, departures, lengths and sampling
-values are data.
+A slot is one row of an `eagle.EagleState`; an idle slot is a done row, which every round leaves
+untouched. A request is prefilled on its own (eagle.PREFILL, batch 1, the engine's cache bucket),
+then INSERT writes that one-row state into its slot. The state holds R rows, R the slot bucket (a
+power of two) covering the busy slots, so one request on an eight-slot engine runs batch-1 rounds;
+RESIZE grows it with idle rows or drops idle rows at the end when the load changes bucket. Every
+program here is compiled once per (slot bucket, cache bucket, tree or plain, greedy or sampling):
+arrivals, departures, lengths and sampling values are data.
 """
 from __future__ import annotations
 
@@ -51,19 +52,32 @@ def move(st: EagleState, src, dst) -> EagleState:
     return insert(st, _map_rows(lambda xs, axis: jax.lax.dynamic_slice_in_dim(xs[0], src, 1, axis), st), dst)
 
 
+def resize(st: EagleState, rows: int) -> EagleState:
+    """The state with `rows` rows: idle rows (done, empty caches) appended, or the rows from `rows` on
+    dropped (the engine only drops idle rows)."""
+    B = st.done_B.shape[0]
+    if rows <= B:
+        return _map_rows(lambda xs, axis: jax.lax.slice_in_dim(xs[0], 0, rows, axis=axis), st)
+
+    def pad(xs, axis):
+        x = xs[0]
+        shape = list(x.shape)
+        shape[axis] = rows - B
+        fill = jnp.ones(shape, x.dtype) if x.dtype == jnp.bool_ else jnp.zeros(shape, x.dtype)  # done_B: idle
+        return jnp.concatenate([x, fill], axis=axis)
+    return _map_rows(pad, st)
+
+
 def retire(st: EagleState, stop_B) -> EagleState:
     """Rows where `stop_B` is set are done (a cancelled request, a stop string found on the host)."""
     return st.replace(done_B=st.done_B | stop_B)
 
 
 def rounds(tmodule, tparams, dmodule, dparams, st: EagleState, sampling, max_rounds, *,
-           tree: Optional[TreeConfig], rows: int, catch_up: bool = True) -> EagleState:
-    """Up to `max_rounds` rounds of `tree` (None: plain decoding steps) over the first `rows` slots,
-    returning early once a row finishes (its slot can then be reused). `sampling`: scalars or one
-    value per row of the `rows`."""
-    S = st.done_B.shape[0]
-    sub = st if rows == S else _map_rows(lambda xs, axis: jax.lax.slice_in_dim(xs[0], 0, rows, axis=axis), st)
-    done0 = jnp.sum(sub.done_B)
+           tree: Optional[TreeConfig], catch_up: bool = True) -> EagleState:
+    """Up to `max_rounds` rounds of `tree` (None: plain decoding steps) over every row, returning early
+    once a row finishes (its slot can then be reused). `sampling`: scalars or one value per row."""
+    done0 = jnp.sum(st.done_B)
 
     def more(carry):
         s, i = carry
@@ -74,10 +88,7 @@ def rounds(tmodule, tparams, dmodule, dparams, st: EagleState, sampling, max_rou
         if tree is None:
             return plain_round(tmodule, tparams, dmodule, dparams, s, sampling, catch_up), i + 1
         return eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), i + 1
-    sub = jax.lax.while_loop(more, body, (sub, jnp.int32(0)))[0]
-    if rows == S:
-        return sub
-    return _map_rows(lambda xs, axis: _put(xs[0], xs[1], 0, axis), st, sub).replace(step=sub.step)
+    return jax.lax.while_loop(more, body, (st, jnp.int32(0)))[0]
 
 
 def _insert(st, one, slot):
@@ -92,12 +103,16 @@ def _retire(st, stop_B):
     return retire(st, stop_B)
 
 
-def _rounds(tparams, dparams, st, sampling, max_rounds, *, tmodule, dmodule, tree, rows, catch_up):
-    return rounds(tmodule, tparams, dmodule, dparams, st, sampling, max_rounds, tree=tree, rows=rows,
-                  catch_up=catch_up)
+def _resize(st, *, rows):
+    return resize(st, rows)
+
+
+def _rounds(tparams, dparams, st, sampling, max_rounds, *, tmodule, dmodule, tree, catch_up):
+    return rounds(tmodule, tparams, dmodule, dparams, st, sampling, max_rounds, tree=tree, catch_up=catch_up)
 
 
 INSERT = Program(_insert, (), donate=("st",))
 MOVE = Program(_move, (), donate=("st",))
 RETIRE = Program(_retire, (), donate=("st",))
-ROUNDS = Program(_rounds, ("tmodule", "dmodule", "tree", "rows", "catch_up"), donate=("st",), loop=True)
+RESIZE = Program(_resize, ("rows",))  # new shapes: nothing to donate
+ROUNDS = Program(_rounds, ("tmodule", "dmodule", "tree", "catch_up"), donate=("st",), loop=True)
