@@ -24,6 +24,7 @@ from .convert import (CheckpointError, check_params, convert, identity, kv_bias,
                       transpose)
 from .draft import Draft, abstract_draft_params, check_aux_layers, check_compatible, init_draft, with_draft_vocab
 from .eagle3 import default_aux_layers
+from .hub import is_hub_id, snapshot
 from .model import Target, resolve_dtype
 from .sharding import shard_params
 
@@ -110,7 +111,13 @@ def _load_eagle3(directory: str, raw: dict, tensors: dict, target: Target, dtype
     if not any(n.startswith("midlayer.") for n in tensors):
         raise CheckpointError(f"{where}: config.json describes an EAGLE-3 head but the weights have no midlayer.*")
     Vd, V = int(raw["draft_vocab_size"]), target.config.vocab_size
-    raw = {k: v for k, v in raw.items() if k != "head_dim"}  # the official code derives it: hidden / heads
+    # head_dim as the weights give it: the official code derives hidden / heads and ignores the field,
+    # newer trainers (SpecForge, for Qwen3 heads) honour it; the q projection's rows settle which
+    q = tensors.get("midlayer.self_attn.q_proj.weight")
+    heads = int(raw.get("num_attention_heads", 0) or 0)
+    raw = {k: v for k, v in raw.items() if k != "head_dim"}
+    if q is not None and heads and tuple(q().shape)[0] % heads == 0:
+        raw["head_dim"] = tuple(q().shape)[0] // heads
     config = ModelConfig.from_hf_dict({**raw, "num_hidden_layers": 1, "tie_word_embeddings": False,
                                        "model_type": raw.get("model_type", "llama")})
     check_compatible(config, target.config, what=f"{where}:")
@@ -219,9 +226,11 @@ def _load_draft_vocab(source: str, target: Target, dtype, draft_vocab: bool) -> 
 def _load_draft(source: str, target: Target, dtype: Optional[str] = None) -> Draft:
     dt = resolve_dtype(dtype) if dtype is not None else target.dtype
     path = NAMED_DRAFTS.get(str(source), str(source))
+    if not os.path.isdir(path) and is_hub_id(path):
+        path = snapshot(path)
     if not os.path.isdir(path):
-        raise CheckpointError(f"draft {source!r} not found: not a directory, 'random', or one of "
-                              f"{', '.join(sorted(NAMED_DRAFTS))}")
+        raise CheckpointError(f"draft {source!r} not found: not a directory, a Hugging Face Hub id (org/name), "
+                              f"'random', or one of {', '.join(sorted(NAMED_DRAFTS))}")
     if os.path.exists(os.path.join(path, OURS_META)):
         return _load_ours(path, target, dt)
     if os.path.exists(os.path.join(path, "config.json")):

@@ -1,5 +1,5 @@
 """Models by name: the named targets and their shipped tokenizers, and random weights of published
-shapes; `resolve_source` turns a name into the file or directory to load.
+shapes; `resolve_source` turns a name, a path or a Hub id into the file or directory to load.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Callable
 
 from .config import ModelConfig
 from .convert import CheckpointError
+from .hub import is_hub_id, snapshot
 
 
 def smollm2_gguf() -> str:
@@ -77,10 +78,13 @@ def random_config(source: str) -> ModelConfig:
 
 
 def resolve_source(source: str) -> str:
-    """The file or directory a named model or a path stands for."""
+    """The file or directory a named model, a path or a Hugging Face Hub id (`org/name[@revision]`,
+    eagle2_jax.hub) stands for."""
     if source in NAMED_TARGETS:
         return NAMED_TARGETS[source]()
     if os.path.exists(source):
         return source
-    raise CheckpointError(f"unknown model {source!r}: not a file, a directory, or one of "
-                          f"{', '.join(sorted(NAMED_TARGETS))}")
+    if is_hub_id(source):
+        return snapshot(source)
+    raise CheckpointError(f"unknown model {source!r}: not a file, a directory, a Hugging Face Hub id "
+                          f"(org/name), or one of {', '.join(sorted(NAMED_TARGETS))}")

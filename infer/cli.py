@@ -133,11 +133,12 @@ def add_model_args(ap, model_default: str = "smollm2-135m-instruct", allow_none_
     g = ap.add_argument_group("model")
     g.add_argument("--model", default=model_default,
                    help="target: a named model (smollm2-135m-instruct), a Hugging Face directory (config.json + "
-                        "safetensors), a .gguf file, or random:<shape> (random weights of a published shape, e.g. "
+                        "safetensors) or Hub id (org/name[@revision]; HF_TOKEN, HF_HUB_CACHE and HF_HUB_OFFLINE=1 as "
+                        "huggingface_hub reads them), a .gguf file, or random:<shape> (random weights of a published shape, e.g. "
                         f"random:llama-3.1-8b: for timing, no tokenizer) (default {model_default})")
     g.add_argument("--draft", default="auto",
-                   help="draft head: 'auto' (the head shipped for --model), a named head, or a directory in the "
-                        "EAGLE format or ours" + (", or 'none' (plain decoding)" if allow_none_draft else ""))
+                   help="draft head: 'auto' (the head shipped for --model), a named head, or a directory or Hub "
+                        "id in the EAGLE format or ours" + (", or 'none' (plain decoding)" if allow_none_draft else ""))
     return g
 
 
