@@ -15,7 +15,8 @@
 #                                  # the first 20 MT-bench first turns (plain vs EAGLE-2, tau, greedy identity),
 #                                  # the first 10 in bfloat16 (the GPU default, tensor cores),
 #                                  # the first 8 again with the decode loops in one CUDA graph (--gpu-graphs loop
-#                                  # against XLA's default body), the first 16 at batch 4
+#                                  # against XLA's default body), the first 16 at batch 4; the serving engine
+#                                  # at the 8B shape (infer.bench_engine: EAGLE vs vanilla at 1, 8, 32 busy)
 #
 # Nothing can be downloaded on the device, so the files travel: .gpu/ (in .gitignore) holds the gguf
 # wheel (.gpu/whl), the question file (.gpu/data/mt_bench.jsonl) and the 98 MB SmolLM2 GGUF split in two
@@ -150,6 +151,13 @@ else
   if budget 90 "bench: first 16, T=0, batch 4"; then
     timeout $T $BENCH --limit ${LIMIT:-16} --batch 4 --out /tmp/res/b4 2>&1 | grep -v "^bench:"
     cp /tmp/res/b4/results.json "$OUT/bench_b4.json" 2>/dev/null
+  fi
+  # the serving engine at the 8B shape, EAGLE vs vanilla mode at 1, 8 and 32 busy requests (its warm-up
+  # compiles a program per slot bucket and mode: on an H200 this may not fit what is left; JSON as it goes)
+  if budget 200 "serving engine: random 8B shape, EAGLE vs vanilla at concurrency 1, 8, 32"; then
+    timeout $T python3 -m infer.bench_engine --model $RC_MODEL --draft random --dtype bfloat16 --concurrency 1,8,32 \
+      --requests 32 --max-tokens ${NEW:-128} --out /tmp/res/engine 2>&1 | grep -v "^compiling"
+    cp /tmp/res/engine/bench_engine.json "$OUT/bench_engine.json" 2>/dev/null
   fi
   stamp "done b"
 fi

@@ -191,3 +191,17 @@ def test_engine_rounds_sample_each_row_from_its_own_settings(tree):
     for g in range(3):
         p, stat, k = chi_square_p(counts[g], exact_distribution(t, settings[g]))
         assert p > P_THRESHOLD, f"setting {settings[g]}: chi2={stat:.1f} on {k} dof, p={p:.2e}"
+
+
+def test_bench_engine_runs_both_modes(tmp_path):
+    """infer.bench_engine on a tiny random config: both modes at two loads, every request finished."""
+    import json
+    from infer.bench_engine import main
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(tiny_config(num_hidden_layers=2).to_hf_dict()))
+    main(["--model", f"random:{cfg}", "--draft", "random", "--concurrency", "1,2", "--requests", "3",
+          "--max-tokens", "6", "--prompt-len", "5", "--out", str(tmp_path / "out")])
+    rows = json.loads((tmp_path / "out" / "bench_engine.json").read_text())["rows"]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [("eagle", 1), ("eagle", 2), ("vanilla", 1), ("vanilla", 2)]
+    assert all(r["requests"] == 3 and r["completion_tokens"] == 18 for r in rows)
+    assert all(r["tau"] == 1.0 for r in rows if r["mode"] == "vanilla")

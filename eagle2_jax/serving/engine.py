@@ -111,11 +111,12 @@ class Request:
 class Engine:
     def __init__(self, target: Target, draft: Draft, *, slots: int = 4, max_len: int = 1024,
                  tree=None, mode: str = "eagle", eos_token_id: Optional[int] = None,
-                 rounds_per_dispatch: int = 8, seed: int = 0):
+                 rounds_per_dispatch: int = 8, seed: int = 0, sampling: bool = True):
         """`slots`: most rows decoded together (rounded up to a power of two); `max_len`: the longest
         prompt + max_new_tokens a request may ask for; `tree`: one tree at every load, a table by
         batch size, or None: the head's tree.json (see load_plan); `mode`: "eagle" or "vanilla" (plain decoding only).
-        Nothing runs until `warmup()` or the first `step()`."""
+        `sampling` False: greedy requests only (half the programs to compile). Nothing runs until
+        `warmup()` or the first `step()`."""
         check_compatible(draft.config, target.config)
         self.target, self.draft, self.mode = target, draft, mode
         m = batch_multiple(target.mesh)
@@ -123,6 +124,7 @@ class Engine:
         self.buckets = slot_buckets(self.slots, m)
         self.plan = load_plan(draft, self.buckets, tree, mode)
         self.eos, self.max_len, self.k, self.seed = eos_token_id, max_len, rounds_per_dispatch, seed
+        self.modes = (True, False) if sampling else (True,)  # greedy program, sampling program
         self.cache_len = engine_cache_len(max_len, self.plan.values())
         trees = [t for t in self.plan.values() if t is not None]
         self._prefill_tree = max(trees, key=scratch_slots) if trees else PLAIN_SLACK  # a compile key only
@@ -157,6 +159,8 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= V:
             raise ValueError(f"the prompt has token ids outside [0, {V})")
         sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))  # checks the ranges
+        if not sampling.greedy and False not in self.modes:
+            raise ValueError("this engine serves greedy requests only (temperature 0)")
         if seed is not None and not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2 ** 32):
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         r = Request(next(self._ids), prompt, int(max_new_tokens), tuple(int(s) for s in stop_ids), sampling,
@@ -238,7 +242,7 @@ class Engine:
             nonlocal count
             count += 1
             return call(*args, **kw)
-        for greedy in (True, False):
+        for greedy in self.modes:
             for prompt in bucket_prompts(self.max_len):
                 args, static = self._prefill_args([prompt], 1, 0, self._sampling_of(greedy))
                 one = counted(PREFILL, *args, label=f"prefill {len(prompt)}{'' if greedy else ' (sampling)'}",
@@ -260,7 +264,7 @@ class Engine:
             state = counted(MOVE, state, np.int32(0), np.int32(rows - 1), label=f"move ({rows} rows)")
             state = counted(RETIRE, state, np.ones(rows, bool), label=f"retire ({rows} rows)")
             for tree in dict.fromkeys((self.plan[rows], None)):  # the plan's tree, and plain for stale drafts
-                for greedy in (True, False):
+                for greedy in self.modes:
                     s = SamplingParams.of(SamplingConfig()) if greedy else SamplingParams.rows(
                         np.ones(rows), np.zeros(rows), np.ones(rows))
                     what = "plain" if tree is None else f"tree {tree.depth}/{tree.top_k}/{tree.total_tokens}"
