@@ -14,7 +14,9 @@ from typing import Any, Optional
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family decoder (Llama 2/3, SmolLM, Mistral-style GQA, Qwen2 q/k/v bias, Qwen3 q/k norm)."""
+    """Llama-family decoder (Llama 2/3, SmolLM, Mistral-style GQA, Qwen2 q/k/v bias, Qwen3 q/k norm,
+    Gemma 3 text: local sliding-window layers among global ones, two RoPE bases, sandwich norms,
+    GeGLU, a scaled embedding)."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -31,7 +33,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3, Gemma 3)
+    # Gemma 3: layers whose entry is "sliding_attention" see the last `sliding_window` positions only
+    # and rotate with `rope_local_base_freq`; the others are global (`rope_theta`, `rope_scaling`)
+    sliding_window: Optional[int] = None
+    layer_types: Optional[tuple] = None
+    rope_local_base_freq: float = 10000.0
+    query_pre_attn_scalar: Optional[float] = None  # attention scores scaled by its -1/2 (default head_dim)
+    hidden_activation: str = "silu"  # "gelu_pytorch_tanh": GeGLU (Gemma)
+    sandwich_norm: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[int] = None
     model_type: str = "llama"
@@ -43,6 +54,14 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
+                    "sliding_attention", "full_attention"}:
+                raise ValueError(f"layer_types must give sliding_attention or full_attention for each of the "
+                                 f"{self.num_hidden_layers} layers, got {self.layer_types!r}")
+        if self.hidden_activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_activation must be silu or gelu_pytorch_tanh, got {self.hidden_activation!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if int(getattr(self, name)) <= 0:
@@ -56,17 +75,33 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling) if self.rope_scaling else {}
 
-    SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+    @property
+    def local_layers(self) -> tuple:
+        """Per layer: whether it is a sliding-window (local) layer."""
+        if self.sliding_window is None or self.layer_types is None:
+            return (False,) * self.num_hidden_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.local_layers)
+
+    SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
     ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM"}
+                     "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         model_type = d.get("model_type", "llama")
+        if model_type == "gemma3" and isinstance(d.get("text_config"), dict):  # the multimodal wrapper
+            d, model_type = {**d["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
         if model_type not in cls.SUPPORTED_TYPES:
             raise ValueError(f"unsupported architecture {model_type!r}: supported are "
                              f"{', '.join(cls.SUPPORTED_TYPES)}")
         rp = d.get("rope_parameters")
+        if model_type == "gemma3_text":
+            d = cls._gemma3(d)
+            rp = d.get("rope_parameters")
         if isinstance(rp, dict):  # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters
             d = dict(d)
             if "rope_theta" in rp:
@@ -89,6 +124,26 @@ class ModelConfig:
             kw["rope_scaling"] = None
         return cls(**kw)
 
+    @staticmethod
+    def _gemma3(d: dict) -> dict:
+        """A Gemma 3 text config's fields in ours (transformers 4 and 5 spellings)."""
+        d = dict(d)
+        n = d.get("num_hidden_layers", 26)
+        if d.get("layer_types") is None:  # older configs: every sliding_window_pattern-th layer is global
+            pattern = int(d.get("sliding_window_pattern", 6))
+            d["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict) and "full_attention" in rp:  # per layer type (transformers 5)
+            d["rope_local_base_freq"] = rp.get("sliding_attention", {}).get("rope_theta", 10000.0)
+            d["rope_parameters"] = rp["full_attention"]
+        if d.get("final_logit_softcapping") or d.get("attn_logit_softcapping"):
+            raise ValueError("Gemma with logit soft-capping (Gemma 2) is not supported")
+        d.setdefault("hidden_activation", "gelu_pytorch_tanh")
+        d.setdefault("query_pre_attn_scalar", 256)
+        d.setdefault("tie_word_embeddings", True)
+        d.setdefault("head_dim", 256)
+        return {**d, "qk_norm": True, "sandwich_norm": True, "embed_scale": True}
+
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
         with open(path) as f:
@@ -102,7 +157,9 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["rope_scaling"] = self.rope_scaling_dict or None
         d["architectures"] = [self.ARCHITECTURES.get(self.model_type, "LlamaForCausalLM")]
-        del d["qk_norm"]  # implied by the model type
+        for k in ("qk_norm", "sandwich_norm", "embed_scale"):  # implied by the model type
+            del d[k]
+        d["layer_types"] = list(self.layer_types) if self.layer_types else None
         return d
 
 

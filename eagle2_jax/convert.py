@@ -51,6 +51,11 @@ def identity(w, c):
     return w
 
 
+def gemma_norm(w, c):
+    """Gemma's RMSNorm multiplies by 1 + weight: stored as the scale itself (ours multiplies by it)."""
+    return w + 1.0
+
+
 def unpermute(w, n_head):
     """Undo llama.cpp's interleaved-RoPE permutation of q/k rows."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -83,6 +88,24 @@ HF_TABLE: Table = (
     (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "layers_{0}/mlp/{1}/kernel", transpose),
     (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.bias", "layers_{0}/mlp/{1}/bias", identity),
 )
+
+# Gemma 3 text (Gemma3ForCausalLM): the sandwich norms, q/k norms, norms stored as 1 + weight; the LM
+# head is the embedding (tied).
+GEMMA3_HF_TABLE: Table = (
+    (r"model\.embed_tokens\.weight", "embed", identity),
+    (r"model\.norm\.weight", "norm/scale", gemma_norm),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers_{0}/input_norm/scale", gemma_norm),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers_{0}/attn_out_norm/scale", gemma_norm),
+    (r"model\.layers\.(\d+)\.pre_feedforward_layernorm\.weight", "layers_{0}/post_norm/scale", gemma_norm),
+    (r"model\.layers\.(\d+)\.post_feedforward_layernorm\.weight", "layers_{0}/mlp_out_norm/scale", gemma_norm),
+    (r"model\.layers\.(\d+)\.self_attn\.(q|k)_norm\.weight", "layers_{0}/attn/{1}_norm/scale", gemma_norm),
+) + tuple(row for row in HF_TABLE if "_proj" in row[0])
+
+
+def hf_table(config: ModelConfig) -> Table:
+    """The conversion table of a Hugging Face checkpoint of this architecture."""
+    return GEMMA3_HF_TABLE if config.model_type == "gemma3_text" else HF_TABLE
+
 
 GGUF_TABLE: Table = (
     (r"token_embd\.weight", "embed", identity),

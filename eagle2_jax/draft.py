@@ -83,7 +83,9 @@ class Draft:
 
 def draft_config_for(target_config: ModelConfig, **overrides) -> ModelConfig:
     d = dataclasses.asdict(target_config)
-    d.update(num_hidden_layers=1, tie_word_embeddings=False, qk_norm=False)  # heads use the Llama layer, for Qwen3 too
+    # heads use the Llama layer, for Qwen3 and Gemma 3 targets too: full attention, SwiGLU, no extra norms
+    d.update(num_hidden_layers=1, tie_word_embeddings=False, qk_norm=False, sliding_window=None, layer_types=None,
+             query_pre_attn_scalar=None, hidden_activation="silu", sandwich_norm=False, embed_scale=False)
     d.update(overrides)
     return ModelConfig(**d)
 

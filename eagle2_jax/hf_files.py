@@ -11,7 +11,7 @@ import numpy as np
 
 from . import layer_list
 from .config import ModelConfig
-from .convert import HF_TABLE, CheckpointError, check_params, convert
+from .convert import CheckpointError, check_params, convert, hf_table
 from .model import Target, abstract_target_params, resolve_dtype
 from .ops import choose as choose_ops
 from .sharding import shard_params
@@ -55,7 +55,7 @@ def load_hf_dir(directory: str, dtype="auto", mesh=None, tokenizer: bool = True)
     tensors = _read_safetensors(directory)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    params = convert(tensors, HF_TABLE, config, dt)
+    params = convert(tensors, hf_table(config), config, dt)
     check_params(params, abstract_target_params(config, dt), f"checkpoint {directory}")
     tok = None
     if tokenizer and any(os.path.exists(os.path.join(directory, f))
@@ -70,6 +70,8 @@ def save_hf_dir(target: Target, directory: str) -> str:
     """Write `target` as a Hugging Face directory of its architecture (config.json + model.safetensors, float32)."""
     from safetensors.numpy import save_file
     c = target.config
+    if c.model_type == "gemma3_text":
+        raise CheckpointError("saving Gemma 3 targets as Hugging Face directories is not supported")
     if isinstance(target.params.get("embed"), dict):
         raise CheckpointError("this target keeps its weights in a backend's own form (GGUF blocks): "
                               "load it with packed=False to save it")

@@ -38,11 +38,13 @@ from .config import ModelConfig
 from .ops import NEG_INF, Ops  # noqa: F401 (NEG_INF re-exported)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [Dh/2] with optional Llama-3 or linear scaling (float64 numpy)."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies [Dh/2] with optional Llama-3 or linear scaling (float64 numpy); `local`:
+    a sliding-window layer's (Gemma 3: its own base, no scaling)."""
     dh = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, dh, 2, dtype=np.float64) / dh))
-    rs = config.rope_scaling_dict
+    theta = config.rope_local_base_freq if local else config.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, dh, 2, dtype=np.float64) / dh))
+    rs = {} if local else config.rope_scaling_dict
     kind = rs.get("rope_type", rs.get("type")) if rs else None
     if kind is None or kind == "default":
         return inv
@@ -62,12 +64,12 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
 
 
-def rope_tables(config: ModelConfig, positions_BT: jax.Array):
+def rope_tables(config: ModelConfig, positions_BT: jax.Array, local: bool = False):
     """(cos, sin) [B, T, 1, Dh] float32, the rotary tables of these positions in Hugging Face's
     half-split convention ([cos, cos] and [-sin, sin]). A forward computes them once, before its
     layer loop: XLA does not hoist them out of a scan over layers, where they would cost kernels in
     every layer."""
-    inv_freq = rope_inv_freq(config)
+    inv_freq = rope_inv_freq(config, local)
     angles = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)[None, None]
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [B, T, Dh/2]
     return (jnp.concatenate([cos, cos], axis=-1)[:, :, None, :], jnp.concatenate([-sin, sin], axis=-1)[:, :, None, :])
@@ -99,13 +101,17 @@ def dense(ops: Ops, p, x, n_in: int = 1):
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
 
 
-def attention(ops: Ops, p, x_BTD, rope, attend, eps: float = 1e-6):
+def attention(ops: Ops, p, x_BTD, rope, attend, eps: float = 1e-6, q_scale: float = 1.0):
     """Self-attention through `attend(q [B,T,H,Dh], k, v [B,K,T,Dh]) -> (out [B,T,H,Dh], state)`
-    (`attend_within` / `attend_beside`), rotated by `rope` (`rope_tables`); with p["q_norm"] and
-    p["k_norm"] (Qwen3) each head's queries and keys are RMS-normalised first. Returns (out [B,T,D], state)."""
+    (`attend_within` / `attend_beside`, which scale scores by Dh^-1/2), rotated by `rope`
+    (`rope_tables`); with p["q_norm"] and p["k_norm"] (Qwen3, Gemma 3) each head's queries and keys
+    are RMS-normalised first; `q_scale` rescales the queries (Gemma's query_pre_attn_scalar).
+    Returns (out [B,T,D], state)."""
     q, k = dense(ops, p["q"], x_BTD), dense(ops, p["k"], x_BTD)
     if "q_norm" in p:
         q, k = rms_norm(ops, p["q_norm"], q, eps), rms_norm(ops, p["k_norm"], k, eps)
+    if q_scale != 1.0:
+        q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
     q = apply_rope(q, rope)
     k = apply_rope(k, rope).transpose(0, 2, 1, 3)  # [B, K, T, Dh]
     v = dense(ops, p["v"], x_BTD).transpose(0, 2, 1, 3)
@@ -135,22 +141,36 @@ def attend_within(ops: Ops, k_LBKSD, v_LBKSD, layer, start_B, mask_BTS):
     return attend
 
 
-def mlp(ops: Ops, p, x):
+def mlp(ops: Ops, p, x, activation: str = "silu"):
+    """SwiGLU, or GeGLU with activation "gelu_pytorch_tanh" (Gemma)."""
     if "gate_up" in p:  # gate and up as one matmul over their concatenated weights (layer_list.per_layer)
         gate, up = jnp.split(dense(ops, p["gate_up"], x), 2, axis=-1)
     else:
         gate, up = dense(ops, p["gate"], x), dense(ops, p["up"], x)
-    return dense(ops, p["down"], nn.silu(gate) * up)
+    act = nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    return dense(ops, p["down"], act * up)
+
+
+def query_scale(c: ModelConfig) -> float:
+    """Queries' factor making the scores' Dh^-1/2 into query_pre_attn_scalar^-1/2 (Gemma); else 1."""
+    return 1.0 if c.query_pre_attn_scalar is None else math.sqrt(c.head_dim / c.query_pre_attn_scalar)
 
 
 def decoder_layer(ops: Ops, c: ModelConfig, p, x_BTD, rope, attend):
     """Pre-norm Llama layer; without p["input_norm"] it is the EAGLE draft layer (the input is
-    already normalised). `rope`: the tokens' `rope_tables`. Returns (x [B,T,D], the state `attend` returns)."""
-    h = rms_norm(ops, p["input_norm"], x_BTD, c.rms_norm_eps) if "input_norm" in p else x_BTD
-    a, state = attention(ops, p["attn"], h, rope, attend, c.rms_norm_eps)
+    already normalised); with p["attn_out_norm"] and p["mlp_out_norm"] (Gemma's sandwich) the
+    attention's and the MLP's outputs are normalised too. `rope`: the tokens' `rope_tables`.
+    Returns (x [B,T,D], the state `attend` returns)."""
+    eps = c.rms_norm_eps
+    h = rms_norm(ops, p["input_norm"], x_BTD, eps) if "input_norm" in p else x_BTD
+    a, state = attention(ops, p["attn"], h, rope, attend, eps, query_scale(c))
+    if "attn_out_norm" in p:
+        a = rms_norm(ops, p["attn_out_norm"], a, eps)
     x = x_BTD + a
-    x = x + mlp(ops, p["mlp"], rms_norm(ops, p["post_norm"], x, c.rms_norm_eps))
-    return x, state
+    m = mlp(ops, p["mlp"], rms_norm(ops, p["post_norm"], x, eps), c.hidden_activation)
+    if "mlp_out_norm" in p:
+        m = rms_norm(ops, p["mlp_out_norm"], m, eps)
+    return x + m, state
 
 
 # ---- initialisers (random weights for tests, timing and training from scratch) ----------------
@@ -177,6 +197,9 @@ def init_layer(key, c: ModelConfig, dtype, input_norm: bool = True) -> dict:
     if c.qk_norm:
         p["attn"]["q_norm"] = {"scale": jnp.ones((Dh,), dtype)}
         p["attn"]["k_norm"] = {"scale": jnp.ones((Dh,), dtype)}
+    if c.sandwich_norm:
+        p["attn_out_norm"] = {"scale": jnp.ones((D,), dtype)}
+        p["mlp_out_norm"] = {"scale": jnp.ones((D,), dtype)}
     if input_norm:
         p["input_norm"] = {"scale": jnp.ones((D,), dtype)}
     return p
@@ -225,6 +248,27 @@ def split_masks(length_B, local_mask_BTU, offset: int, S: int):
     own = (jnp.arange(U) >= offset) & (jnp.arange(U) < offset + T)
     return (cache_mask(length_B, local_mask_BTU & ~own[None, None, :], S),
             local_mask_BTU[:, :, offset:offset + T])
+
+
+def window_masks(masks: tuple, length_B, positions_BT, offset: int, window: int) -> tuple:
+    """`masks` (the cache part [B,T,S] and, for two blocks, the new tokens' part [B,T,T]) with every
+    key more than `window` - 1 positions before its query hidden (a sliding-window layer: a query at
+    position p sees keys at p - window + 1 .. p). A committed slot s holds position s; a new token's
+    key has its own position; other scratch slots (a draft's earlier levels) are left as they are."""
+    S = masks[0].shape[-1]
+    slot = jnp.arange(S)[None, :]
+    key_pos = jnp.where(slot < length_B[:, None], slot, -window)  # [B, S]: committed keys only
+    if len(masks) == 1:  # one block: the new tokens' keys sit in slots length+offset ..
+        T = positions_BT.shape[1]
+        u = slot - (length_B + offset)[:, None]
+        mine = (u >= 0) & (u < T)
+        key_pos = jnp.where(mine, jnp.take_along_axis(positions_BT, jnp.clip(u, 0, T - 1), axis=1), key_pos)
+    near = positions_BT[:, :, None] - key_pos[:, None, :] < window  # [B, T, S]
+    far_ok = key_pos[:, None, :] == -window  # not a windowed key
+    out = (masks[0] & (near | far_ok),)
+    if len(masks) == 2:
+        out += (masks[1] & (positions_BT[:, :, None] - positions_BT[:, None, :] < window),)
+    return out
 
 
 def causal_mask(B: int, T: int) -> jax.Array:

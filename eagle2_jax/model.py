@@ -4,7 +4,8 @@ Param tree (per-layer params stacked on a leading layer axis L, run with `lax.sc
 time and program size do not grow with depth):
   embed [V, D]; layers/{input_norm,post_norm}/scale [L, D];
   layers/attn/{q,k,v}/kernel [L, D, H|K, Dh] (+ bias [L, H|K, Dh]); layers/attn/o/kernel [L, H, Dh, D];
-  layers/attn/{q,k}_norm/scale [L, Dh] (Qwen3);
+  layers/attn/{q,k}_norm/scale [L, Dh] (Qwen3, Gemma 3); layers/{attn_out_norm,mlp_out_norm}/scale [L, D]
+  (Gemma 3's sandwich norms);
   layers/mlp/{gate,up}/kernel [L, D, F]; layers/mlp/down/kernel [L, F, D]; norm/scale [D];
   lm_head [D, V] when embeddings are untied.
 Every product goes through the module's `ops` (eagle2_jax.ops), chosen when the target is loaded.
@@ -23,7 +24,7 @@ import numpy as np
 from .cache import KVCache, init_cache, write
 from .config import ModelConfig
 from .layers import (attend_beside, attend_within, cache_mask, causal_mask, decoder_layer, init_layers, rms_norm,
-                     rope_tables, split_masks)
+                     rope_tables, split_masks, window_masks)
 from .defaults import default_dtype
 from .layer_list import per_layer
 from .ops import XLA, Ops, choose
@@ -105,7 +106,10 @@ class Llama(nn.Module):
             self.lm_head = module_param(self, "lm_head", normal, (c.hidden_size, c.vocab_size), dt)
 
     def embed_tokens(self, tokens_BT):
-        return self.ops.embed(self.embed, tokens_BT)
+        x = self.ops.embed(self.embed, tokens_BT)
+        if self.config.embed_scale:  # Gemma: times sqrt(hidden), the factor rounded to the embedding's dtype
+            x = x * jnp.asarray(np.sqrt(self.config.hidden_size), x.dtype)
+        return x
 
     def logits(self, features_BTD):
         """LM head, accumulated and returned in float32."""
@@ -131,6 +135,17 @@ class Llama(nn.Module):
         start_B = cache.length + offset
         rope = rope_tables(c, positions_BT)  # once, outside the layer loop (as are the masks)
         G = c.num_attention_heads // c.num_key_value_heads
+        # sliding-window layers (Gemma 3): their own RoPE tables and masks, picked per layer by a flag
+        # scanned with the weights (data, not a branch)
+        local_L = np.asarray(c.local_layers)
+        W = c.sliding_window
+        rope_local = rope_tables(c, positions_BT, local=True) if c.windowed else None
+
+        def per_layer(is_local, local, whole):
+            if not c.windowed:
+                return whole
+            flag = ops.weight(is_local)  # a backend may hand scanned inputs over unsliced
+            return jax.tree_util.tree_map(lambda a, b: jnp.where(flag, a, b), local, whole)
 
         def keep_aux(aux_ABTD, x_BTD, i):  # the stream entering the aux layers
             if not A:
@@ -140,28 +155,36 @@ class Llama(nn.Module):
 
         unrolled = ops.unroll_layers or ops.layers == "list"
         if writes_first(ops, tokens_BT.shape[1], fresh, unrolled):  # each layer writes, then attends over its cache
-            (mask_BTS,) = ops.loop_masks((cache_mask(cache.length, local_mask_BTU, cache.max_len),), G)
+            whole = (cache_mask(cache.length, local_mask_BTU, cache.max_len),)
+            (mask_BTS,) = ops.loop_masks(whole, G)
+            (mask_win,) = ops.loop_masks(window_masks(whole, cache.length, positions_BT, offset, W), G) \
+                if c.windowed else (None,)
 
             def layer(carry, xs):
-                (x_BTD, aux_ABTD, k_LBKSD, v_LBKSD), (p, i) = carry, xs
+                (x_BTD, aux_ABTD, k_LBKSD, v_LBKSD), (p, i, is_local) = carry, xs
                 aux_ABTD = keep_aux(aux_ABTD, x_BTD, i)
-                attend = attend_within(ops, k_LBKSD, v_LBKSD, i, start_B, mask_BTS)
-                x_BTD, (k_LBKSD, v_LBKSD) = decoder_layer(ops, c, p, x_BTD, rope, attend)
+                attend = attend_within(ops, k_LBKSD, v_LBKSD, i, start_B, per_layer(is_local, mask_win, mask_BTS))
+                x_BTD, (k_LBKSD, v_LBKSD) = decoder_layer(ops, c, p, x_BTD, per_layer(is_local, rope_local, rope),
+                                                          attend)
                 return (x_BTD, aux_ABTD, k_LBKSD, v_LBKSD), None
 
-            (x, aux, k, v), _ = ops.scan_layers(layer, (x0, aux0, cache.k, cache.v), (self.layers, index_L))
+            (x, aux, k, v), _ = ops.scan_layers(layer, (x0, aux0, cache.k, cache.v), (self.layers, index_L, local_L))
             cache = cache.replace(k=k, v=v)
         else:  # the cache is read as it was; all layers' new entries are written after the loop
-            k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
-            masks = ops.loop_masks(masks, G)
+            k_read, v_read, whole = cache_view(cache, local_mask_BTU, offset, fresh)
+            masks = ops.loop_masks(whole, G)
+            masks_win = ops.loop_masks(window_masks(whole, cache.length, positions_BT, offset, W), G) \
+                if c.windowed else None
 
             def layer(carry, xs):
-                (x_BTD, aux_ABTD), (p, k_BKSD, v_BKSD, i) = carry, xs
+                (x_BTD, aux_ABTD), (p, k_BKSD, v_BKSD, i, is_local) = carry, xs
                 aux_ABTD = keep_aux(aux_ABTD, x_BTD, i)
-                x_BTD, kv = decoder_layer(ops, c, p, x_BTD, rope, attend_beside(ops, k_BKSD, v_BKSD, masks))
+                attend = attend_beside(ops, k_BKSD, v_BKSD, per_layer(is_local, masks_win, masks))
+                x_BTD, kv = decoder_layer(ops, c, p, x_BTD, per_layer(is_local, rope_local, rope), attend)
                 return (x_BTD, aux_ABTD), kv
 
-            (x, aux), (k_LBKTD, v_LBKTD) = ops.scan_layers(layer, (x0, aux0), (self.layers, k_read, v_read, index_L))
+            (x, aux), (k_LBKTD, v_LBKTD) = ops.scan_layers(layer, (x0, aux0),
+                                                           (self.layers, k_read, v_read, index_L, local_L))
             cache = write(cache, k_LBKTD, v_LBKTD, start_B)
         feats = rms_norm(ops, self.norm, x, c.rms_norm_eps)
         if not A:

@@ -27,6 +27,11 @@ HF_CASES = {
                         rope_theta=500000.0),
     "qwen2_bias": dict(model_type="qwen2"),
     "qwen3_qk_norm": dict(model_type="qwen3", head_dim=24),  # head_dim from the config, not hidden / heads
+    # local layers (window 8, their own RoPE base) among global ones; 40 tokens cross the window
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=24, num_hidden_layers=3, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        query_pre_attn_scalar=20, tie_word_embeddings=True, rope_theta=100000.0,
+                        rope_local_base_freq=1000.0),
 }
 
 
@@ -38,12 +43,17 @@ def _hf_model(tmp_path, case):
               tie_word_embeddings=False, rms_norm_eps=1e-5)
     kw.update(HF_CASES[case])
     torch.manual_seed(0)
-    if kw.get("model_type") in ("qwen2", "qwen3"):
+    if kw.get("model_type") == "gemma3_text":
+        kw.pop("model_type")
+        rope = dict(full_attention=dict(rope_type="default", rope_theta=kw.pop("rope_theta")),
+                    sliding_attention=dict(rope_type="default", rope_theta=kw.pop("rope_local_base_freq")))
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw, rope_parameters=rope))
+    elif kw.get("model_type") in ("qwen2", "qwen3"):
         arch = kw.pop("model_type").capitalize()
         model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**kw))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
-    with torch.no_grad():  # non-trivial norms and biases
+    with torch.no_grad():  # non-trivial norms and biases (Gemma's norms start at 0: scale 1 + weight)
         for n, p in model.named_parameters():
             if n.endswith("norm.weight") or n.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
