@@ -124,6 +124,28 @@ GGUF_TABLE: Table = (
 )
 
 
+# Gemma 3 GGUF (llama.cpp's names; its converter already stores norms as 1 + weight, and leaves q/k
+# unpermuted): the sandwich norms and q/k norms, a tied head.
+GEMMA3_GGUF_TABLE: Table = (
+    (r"token_embd\.weight", "embed", identity),
+    (r"output_norm\.weight", "norm/scale", identity),
+    (r"blk\.(\d+)\.attn_norm\.weight", "layers_{0}/input_norm/scale", identity),
+    (r"blk\.(\d+)\.post_attention_norm\.weight", "layers_{0}/attn_out_norm/scale", identity),
+    (r"blk\.(\d+)\.ffn_norm\.weight", "layers_{0}/post_norm/scale", identity),
+    (r"blk\.(\d+)\.post_ffw_norm\.weight", "layers_{0}/mlp_out_norm/scale", identity),
+    (r"blk\.(\d+)\.attn_(q|k)_norm\.weight", "layers_{0}/attn/{1}_norm/scale", identity),
+    (r"blk\.(\d+)\.attn_q\.weight", "layers_{0}/attn/q/kernel", q_kernel),
+    (r"blk\.(\d+)\.attn_k\.weight", "layers_{0}/attn/k/kernel", kv_kernel),
+    (r"blk\.(\d+)\.attn_v\.weight", "layers_{0}/attn/v/kernel", kv_kernel),
+    (r"blk\.(\d+)\.attn_output\.weight", "layers_{0}/attn/o/kernel", o_kernel),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)\.weight", "layers_{0}/mlp/{1}/kernel", transpose),
+)
+
+
+def gguf_table(config: ModelConfig) -> Table:
+    return GEMMA3_GGUF_TABLE if config.model_type == "gemma3_text" else GGUF_TABLE
+
+
 def convert(tensors: dict[str, Callable[[], np.ndarray]], table: Table, config: ModelConfig,
             dtype, ignore: tuple = (r"rotary_emb\.inv_freq",), stack: bool = True) -> dict:
     """Map source tensors (name -> loader) to our nested param dict of numpy arrays using `table`;

@@ -8,7 +8,7 @@ import importlib.util
 import os
 
 from .config import ModelConfig
-from .convert import GGUF_TABLE, CheckpointError, check_params, convert
+from .convert import CheckpointError, check_params, convert, gguf_table
 from .file_cache import gguf_index, gguf_tokenizer, gguf_tokenizer_cached
 from .model import Target, abstract_target_params, resolve_dtype
 from .ops import choose as choose_ops
@@ -41,8 +41,8 @@ def _gguf_field(reader, key, default=None):
 
 def gguf_config(reader, path: str) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama",):
-        raise CheckpointError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama)")
+    if arch not in ("llama", "gemma3"):
+        raise CheckpointError(f"unsupported GGUF architecture {arch!r} in {path} (supported: llama, gemma3)")
     g = lambda k, d=None: _gguf_field(reader, f"{arch}.{k}", d)  # noqa: E731
     names = {t.name for t in reader.tensors}
     n_vocab = g("vocab_size")
@@ -50,7 +50,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
         n_vocab = _gguf_field(reader, "tokenizer.ggml.tokens#count", 0)
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
-    return ModelConfig(
+    fields = dict(
         vocab_size=int(n_vocab), hidden_size=hidden, intermediate_size=int(g("feed_forward_length")),
         num_hidden_layers=int(g("block_count")), num_attention_heads=heads,
         num_key_value_heads=int(g("attention.head_count_kv", heads)),
@@ -62,6 +62,16 @@ def gguf_config(reader, path: str) -> ModelConfig:
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     )
+    if arch == "gemma3":  # as llama.cpp reads it: every 6th layer global, the others local; scores / sqrt(head_dim)
+        L, head_dim = fields["num_hidden_layers"], int(g("attention.key_length", 256))
+        fields.update(model_type="gemma3_text", qk_norm=True, sandwich_norm=True, embed_scale=True,
+                      hidden_activation="gelu_pytorch_tanh", head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                      sliding_window=int(g("attention.sliding_window", 512)),
+                      layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                        for i in range(L)))
+        if g("rope.scaling.type") == "linear":
+            fields["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    return ModelConfig(**fields)
 
 
 GGUF_PACKERS: list = []
@@ -106,7 +116,7 @@ def load_gguf(path: str, dtype="auto", mesh=None, tokenizer: bool = True, packed
                               "(the CPU backend needs float32 on one CPU device, Q4_1 layer matrices and a tied "
                               "Q8_0 embedding)")
     if params is None:
-        params = convert({t.name: loader(t) for t in reader.tensors}, GGUF_TABLE, config, dt,
+        params = convert({t.name: loader(t) for t in reader.tensors}, gguf_table(config), config, dt,
                          ignore=(r"rope_freqs",))
         check_params(params, abstract_target_params(config, dt), f"GGUF {path}")
         params = shard_params(params, mesh)

