@@ -127,6 +127,10 @@ def load_prompts(paths: Iterable[str], exclude: set, with_responses: bool = Fals
 
 
 def render_prompt(tokenizer, prompt: str) -> list[int]:
+    """The prompt in the chat template; for a base model (no template) as plain text after the
+    tokenizer's special tokens (Gemma's BOS), ending a paragraph for the model to continue."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(prompt.strip() + "\n\n", add_special_tokens=True)
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
