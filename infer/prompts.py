@@ -34,5 +34,9 @@ def load_questions(path, limit, categories):
 
 
 def render(tok, messages):
+    """Token ids of a conversation in the chat template; a base model (no template) continues the
+    user turns as plain text after BOS, as train.data renders its prompts."""
+    if not getattr(tok, "chat_template", None):
+        return tok.encode("\n\n".join(m["content"].strip() for m in messages) + "\n\n", add_special_tokens=True)
     s = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tok.encode(s, add_special_tokens=False)

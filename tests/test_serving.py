@@ -81,7 +81,14 @@ def test_bad_requests_fail_at_once_and_queue_nothing(pair):
                             ([10 ** 6], 4, "token ids")):
         with pytest.raises(ValueError, match=what):
             engine.submit(prompt, n)
-    assert not engine.queue
+    for kw, what in ((dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"),
+                     (dict(seed=-1), "seed")):
+        with pytest.raises(ValueError, match=what):
+            engine.submit([1, 2], 4, **kw)
+    greedy_only = Engine(t, d, slots=2, max_len=32, tree=TREE, sampling=False)
+    with pytest.raises(ValueError, match="greedy requests only"):
+        greedy_only.submit([1, 2], 4, temperature=0.5)
+    assert not engine.queue and not greedy_only.queue
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
