@@ -86,6 +86,8 @@ def draft_config_for(target_config: ModelConfig, **overrides) -> ModelConfig:
     # heads use the Llama layer, for Qwen3 and Gemma 3 targets too: full attention, SwiGLU, no extra norms
     d.update(num_hidden_layers=1, tie_word_embeddings=False, qk_norm=False, sliding_window=None, layer_types=None,
              query_pre_attn_scalar=None, hidden_activation="silu", sandwich_norm=False, embed_scale=False)
+    if d["model_type"] in ("qwen3", "gemma3_text"):  # so the head's config.json reads back as the Llama layer it is
+        d["model_type"] = "llama"
     d.update(overrides)
     return ModelConfig(**d)
 

@@ -32,8 +32,8 @@ OURS_META = "eagle2_jax_draft.json"
 VOCAB_FILE = "draft_vocab.json"  # optional: token ids the draft ranks (frequent-token subset)
 RANDOM_DRAFT_VOCAB = 32000  # draft vocabulary of load_draft("random") for large target vocabularies
 HEADS_DIR = os.path.join(os.path.dirname(__file__), "heads")
-NAMED_DRAFTS = {"smollm2-135m-instruct": os.path.join(HEADS_DIR, "smollm2-135m-instruct"),
-                "smollm2-135m-instruct-eagle3": os.path.join(HEADS_DIR, "smollm2-135m-instruct-eagle3")}
+NAMED_DRAFTS = {name: os.path.join(HEADS_DIR, name)
+                for name in ("smollm2-135m-instruct", "smollm2-135m-instruct-eagle3", "gemma3-270m")}
 
 EAGLE_TABLE = (
     (r"fc\.weight", "fc/kernel", transpose),
