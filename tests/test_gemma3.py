@@ -114,7 +114,7 @@ def _have_gemma3_gguf():
 def test_real_gemma3_270m_gguf_matches_transformers_and_continues_sensibly():
     """The named target (Q4_K_M GGUF: Q4_K, Q6_K, Q5_0 and Q8_0 blocks dequantised on load) against
     transformers loading the same file; 16 greedy tokens as transformers' generate gives them, and the
-    same under EAGLE-2 with a random head."""
+    same under EAGLE-2 with a random head and with the shipped head."""
     import os
     import torch
     import transformers
@@ -134,6 +134,7 @@ def test_real_gemma3_270m_gguf_matches_transformers_and_continues_sensibly():
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
     assert out == want, (tok.decode(out), tok.decode(want))
-    d = e2.load_draft("random", t)
-    assert e2.generate(t, d, [ids], max_new_tokens=16, eos_token_id=tok.eos_token_id,
-                       tree=e2.TreeConfig(2, 2, 4)).tokens[0] == out
+    for head in ("random", "gemma3-270m"):  # a random head and the shipped one
+        d = e2.load_draft(head, t)
+        got = e2.generate(t, d, [ids], max_new_tokens=16, eos_token_id=tok.eos_token_id, tree=e2.TreeConfig(3, 4, 8))
+        assert got.tokens[0] == out
