@@ -47,9 +47,11 @@ class EagleDraft(nn.Module):
         written at length+offset; masks and `fresh` as in `Llama.__call__`)."""
         x = jnp.concatenate([embeds_BTD.astype(self.dtype), features_BTD.astype(self.dtype)], axis=-1)
         x = dense(self.ops, self.fc, x)
-        rope = rope_tables(self.config, positions_BT)
+        c = self.config
+        rope = rope_tables(c, positions_BT, local=c.windowed)
         return one_layer_forward(self.ops, cache, local_mask_BTU, offset, fresh,
-                                 lambda attend: decoder_layer(self.ops, self.config, self.layer, x, rope, attend))
+                                 lambda attend: decoder_layer(self.ops, c, self.layer, x, rope, attend),
+                                 c.sliding_window if c.windowed else None, positions_BT)
 
 
 @dataclasses.dataclass
@@ -84,7 +86,11 @@ class Draft:
 def draft_config_for(target_config: ModelConfig, **overrides) -> ModelConfig:
     d = dataclasses.asdict(target_config)
     # heads use the Llama layer, for Qwen3 and Gemma 3 targets too: full attention, SwiGLU, no extra norms
-    d.update(num_hidden_layers=1, tie_word_embeddings=False, qk_norm=False, sliding_window=None, layer_types=None,
+    # a sliding-window target's head attends within the same window (one local layer whose RoPE is
+    # the target's global base, as heads trained before the window had)
+    window = target_config.sliding_window if target_config.windowed else None
+    d.update(num_hidden_layers=1, tie_word_embeddings=False, qk_norm=False, sliding_window=window,
+             layer_types=("sliding_attention",) if window else None, rope_local_base_freq=target_config.rope_theta,
              query_pre_attn_scalar=None, hidden_activation="silu", sandwich_norm=False, embed_scale=False)
     if d["model_type"] in ("qwen3", "gemma3_text"):  # so the head's config.json reads back as the Llama layer it is
         d["model_type"] = "llama"

@@ -55,16 +55,20 @@ def writes_first(ops: Ops, T: int, fresh: bool, static_layers: bool = True) -> b
     return ops.cache_first and T > 1 and not fresh and static_layers
 
 
-def one_layer_forward(ops: Ops, cache: KVCache, local_mask_BTU, offset: int, fresh: bool, run):
+def one_layer_forward(ops: Ops, cache: KVCache, local_mask_BTU, offset: int, fresh: bool, run,
+                      window: int | None = None, positions_BT=None):
     """A draft's one layer over its cache [1, B, K, S, Dh]: `run(attend)` -> (h, state) with the
-    `attend` this forward uses. Returns (h, the cache with the new keys/values written at
-    length+offset)."""
+    `attend` this forward uses; with `window` (a head for a sliding-window target) its keys more than
+    window - 1 positions before a query are hidden, as in the target's local layers. Returns (h, the
+    cache with the new keys/values written at length+offset)."""
     start_B = cache.length + offset
+    windowed = (lambda m: window_masks(m, cache.length, positions_BT, offset, window)) if window else (lambda m: m)
     if writes_first(ops, local_mask_BTU.shape[1], fresh):
-        h, (k, v) = run(attend_within(ops, cache.k, cache.v, 0, start_B, cache_mask(cache.length, local_mask_BTU,
-                                                                                     cache.max_len)))
+        (mask,) = windowed((cache_mask(cache.length, local_mask_BTU, cache.max_len),))
+        h, (k, v) = run(attend_within(ops, cache.k, cache.v, 0, start_B, mask))
         return h, cache.replace(k=k, v=v)
     k_read, v_read, masks = cache_view(cache, local_mask_BTU, offset, fresh)
+    masks = windowed(masks)
     h, (k, v) = run(attend_beside(ops, k_read[0], v_read[0], masks))
     # written once the attention has read the cache: left unordered, XLA's GPU compiler copies
     # both caches to update them in place (2 copies a draft pass)
