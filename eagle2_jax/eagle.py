@@ -126,12 +126,14 @@ def accept_and_commit(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st:
     B = st.root_B.shape[0]
     C = max_accept
     active = ~st.done_B
-    path, n_acc, bonus = accept_greedy(t, v.logits_BNV, C)
-    if not sampling.greedy:  # per row: a greedy row (temperature 0) keeps the greedy path
-        drawn = accept_sampling(t, v.logits_BNV, step_keys(st.keys_B, st.rounds_B + 1), C, sampling)
+    if sampling.greedy:
+        path, n_acc, bonus = accept_greedy(t, v.logits_BNV, C)
+    else:
+        path, n_acc, bonus = accept_sampling(t, v.logits_BNV, step_keys(st.keys_B, st.rounds_B + 1), C, sampling)
+    if sampling.mixed:  # per row: a greedy row (temperature 0) keeps the greedy path
         g = jnp.broadcast_to(sampling.greedy_rows(n_acc), n_acc.shape)
         path, n_acc, bonus = (jnp.where(g.reshape(g.shape + (1,) * (a.ndim - 1)), a, b)
-                              for a, b in zip((path, n_acc, bonus), drawn))
+                              for a, b in zip(accept_greedy(t, v.logits_BNV, C), (path, n_acc, bonus)))
     n_acc = jnp.where(active, n_acc, 0)
     # one verified node (plain rounds) already sits at the commit position: nothing to move
     tcache = advance(v.tcache, n_acc) if C == 1 else compact(v.tcache, path, n_acc)

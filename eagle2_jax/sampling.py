@@ -28,6 +28,9 @@ class SamplingParams:
     top_k: jax.Array  # int32, scalar or [B]; 0: off
     top_p: jax.Array  # float32, scalar or [B]; 1: off
     greedy: bool = struct.field(pytree_node=False, default=True)  # every row greedy (no sampling compiled)
+    # per-row values that may hold greedy rows (a serving engine's): the sampling program then also
+    # computes the greedy outcome and picks per row; a generation's one temperature > 0 does not
+    mixed: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def of(cls, s: Union[SamplingConfig, "SamplingParams"]) -> "SamplingParams":
@@ -40,12 +43,13 @@ class SamplingParams:
     def rows(cls, temperature, top_k, top_p) -> "SamplingParams":
         """Per-row values ([B] each; temperature 0: a greedy row); the greedy program where every row is."""
         t = np.asarray(temperature, np.float32)
-        return cls(t, np.asarray(top_k, np.int32), np.asarray(top_p, np.float32), bool(np.all(t <= 0)))
+        greedy = bool(np.all(t <= 0))
+        return cls(t, np.asarray(top_k, np.int32), np.asarray(top_p, np.float32), greedy, not greedy)
 
     def greedy_rows(self, x):
         """Rows that decode greedily, shaped to broadcast against `x` ([B, ...])."""
-        if self.greedy:
-            return jnp.ones((), bool)
+        if self.greedy or not self.mixed:
+            return jnp.asarray(self.greedy)
         return _per_row(self.temperature <= 0, x)
 
 
@@ -137,11 +141,12 @@ def sample_rows(keys_B, logits_BV: jax.Array, s) -> jax.Array:
     """One token per row [B]: the logits are processed for the whole batch first (one sort, not
     one per row under vmap), then each row draws with its own key."""
     s = SamplingParams.of(s)
-    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     if s.greedy:
-        return greedy
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     drawn = jax.vmap(categorical)(keys_B, process_logits(logits_BV, s))
-    return jnp.where(s.greedy_rows(greedy), greedy, drawn)
+    if not s.mixed:
+        return drawn
+    return jnp.where(s.greedy_rows(drawn), jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), drawn)
 
 
 def row_keys(seed_key, batch: int):
