@@ -205,22 +205,27 @@ class TreeConfig:
         return self.passes + 2
 
 
+MIN_TEMPERATURE = 1e-5  # below it a temperature decodes greedily (vLLM's rule): logits / T would overflow float32
+INT32_MAX = 2 ** 31 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """Logits processing, applied identically to every distribution the target produces."""
+    """Logits processing, applied identically to every distribution the target produces. Every value
+    fits the dtype it becomes on device (float32, int32); a temperature below MIN_TEMPERATURE is greedy."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be in [0, 2**31), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE

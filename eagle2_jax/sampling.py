@@ -90,7 +90,9 @@ def process_logits(logits_NV: jax.Array, s) -> jax.Array:
         desc = jnp.where(desc < kth, NEG_INF, desc)  # the sorted top-k-filtered logits
         p = jax.nn.softmax(desc, axis=-1)
         exclusive = jnp.cumsum(p, axis=-1) - p
-        keep = (exclusive < top_p) | (top_p >= 1.0)  # always keeps the most likely token
+        # always keeps the most likely token (its exclusive mass is exactly 0), also for a top_p that
+        # float32 flushes to zero
+        keep = (exclusive < top_p) | (exclusive <= 0.0) | (top_p >= 1.0)
         cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
         return jnp.where(x < cutoff, NEG_INF, x)
 

@@ -100,7 +100,8 @@ class Request:
     on_done: Optional[Callable[[], None]] = None  # for a caller waiting on another thread
     tokens: list = dataclasses.field(default_factory=list)
     accept_lengths: list = dataclasses.field(default_factory=list)
-    finish_reason: Optional[str] = None  # "stop" (EOS or a stop id), "length", "cancelled"
+    finish_reason: Optional[str] = None  # "stop" (EOS or a stop id), "length", "cancelled", "error"
+    error: Optional[str] = None  # with finish_reason "error": what failed, in one line
     slot: Optional[int] = None
 
     @property
@@ -147,36 +148,65 @@ class Engine:
                on_tokens: Optional[Callable[[list], None]] = None,
                on_done: Optional[Callable[[], None]] = None) -> Request:
         """Queue a request (token ids); bad input raises ValueError at once, nothing queued."""
+        r = self.request(prompt, max_new_tokens, stop_ids, temperature=temperature, top_p=top_p, top_k=top_k,
+                         seed=seed, on_tokens=on_tokens, on_done=on_done)
+        self.enqueue(r)
+        return r
+
+    def request(self, prompt: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (), *,
+                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None,
+                on_tokens: Optional[Callable[[list], None]] = None,
+                on_done: Optional[Callable[[], None]] = None) -> Request:
+        """A checked request, not yet queued (`enqueue`): every value fits the dtype it becomes on
+        device, or ValueError names the first that does not. Reads no engine state, so another
+        thread may call it while the engine steps."""
+        if isinstance(prompt, (str, bytes)) or not all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("the prompt must be a sequence of token ids")
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt is empty")
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if len(prompt) >= self.max_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room to generate within the engine's "
+                             f"max_len {self.max_len}")
         if len(prompt) + max_new_tokens > self.max_len:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} exceeds the "
                              f"engine's max_len {self.max_len}")
         V = self.target.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= V:
             raise ValueError(f"the prompt has token ids outside [0, {V})")
+        if not all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+                   for x in (temperature, top_p, top_k)) or int(top_k) != top_k:
+            raise ValueError("temperature and top_p must be numbers, top_k an integer")
         sampling = SamplingConfig(float(temperature), int(top_k), float(top_p))  # checks the ranges
         if not sampling.greedy and False not in self.modes:
             raise ValueError("this engine serves greedy requests only (temperature 0)")
-        if seed is not None and not (isinstance(seed, (int, np.integer)) and 0 <= seed < 2 ** 32):
+        if seed is not None and not (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool)
+                                     and 0 <= seed < 2 ** 32):
             raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-        r = Request(next(self._ids), prompt, int(max_new_tokens), tuple(int(s) for s in stop_ids), sampling,
-                    seed, on_tokens, on_done)
-        self.queue.append(r)
-        return r
+        return Request(next(self._ids), prompt, int(max_new_tokens), tuple(int(s) for s in stop_ids), sampling,
+                       seed, on_tokens, on_done)
 
-    def cancel(self, r: Request) -> None:
+    def enqueue(self, r: Request) -> None:
+        """Queue a request made by `request`."""
+        self.queue.append(r)
+
+    def cancel(self, r: Request, reason: str = "cancelled") -> None:
         """Stop a request (queued or running); its slot is free for the next arrival."""
         if r.finished:
             return
         if r in self.queue:
             self.queue.remove(r)
-        elif r.slot is not None:
+        elif r.slot is not None and self.running.get(r.slot) is r:
             self._retire([r.slot])
-        r.finish_reason = "cancelled"
+        r.finish_reason = reason
+
+    def fail(self, r: Request, e: BaseException) -> None:
+        """End one request with an error (its slot freed); the engine goes on with the others."""
+        self.cancel(r, "error")
+        r.error = f"{type(e).__name__}: {e}".splitlines()[0]
 
     @property
     def idle(self) -> bool:
@@ -192,7 +222,11 @@ class Engine:
             self._resize(max(self.rows, self.bucket_for(len(self.running) + n)))
             free = [s for s in range(self.rows) if s not in self.running]
             for slot in free[:n]:
-                self._admit(self.queue.popleft(), slot)
+                r = self.queue.popleft()
+                try:
+                    self._admit(r, slot)
+                except Exception as e:  # noqa: BLE001 - this request fails; the state is as before it
+                    self.fail(r, e)
         self._pack()
         if not self.running:
             return
@@ -328,7 +362,8 @@ class Engine:
         self._seen[slot] = self._rounds[slot] = 0
         self._current[slot] = True
         s = r.sampling
-        self._temperature[slot], self._top_k[slot], self._top_p[slot] = s.temperature, s.top_k, s.top_p
+        self._temperature[slot] = 0.0 if s.greedy else s.temperature  # 0: the row decodes greedily
+        self._top_k[slot], self._top_p[slot] = s.top_k, s.top_p
 
     def _pack(self) -> None:
         """Move rows from slots above the bucket the busy count needs into free slots below it, then
@@ -374,7 +409,12 @@ class Engine:
             if new:
                 r.tokens.extend(new)
                 if r.on_tokens is not None:
-                    r.on_tokens(new)
+                    try:
+                        r.on_tokens(new)
+                    except Exception as e:  # noqa: BLE001 - the caller is gone: its request ends, no one else's
+                        r.finish_reason, r.error = "error", f"on_tokens: {type(e).__name__}: {e}".splitlines()[0]
+                        stopped.append(slot)
+                        continue
             if hit is not None or done[slot]:
                 stop = hit is not None or (r.tokens and r.tokens[-1] == eos)
                 r.finish_reason = "stop" if stop else "length"
