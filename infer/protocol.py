@@ -49,11 +49,22 @@ def _string(v: Any) -> Any:
     return v
 
 
-Int = Annotated[int, BeforeValidator(_integer)]
-Float = Annotated[float, BeforeValidator(_number)]
+def Int(**bounds):
+    """An integer field type with bounds (ge, le, lt, ...); the bounds come before the validator so the
+    JSON schema states them (minimum, maximum)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integer)]
+
+
+def Float(**bounds):
+    return Annotated[float, Field(**bounds), BeforeValidator(_number)]
+
+
+def Str(**bounds):
+    return Annotated[str, Field(**bounds), BeforeValidator(_string)]
+
+
 Bool = Annotated[bool, BeforeValidator(_boolean)]
-Str = Annotated[str, BeforeValidator(_string)]
-TokenId = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=INT32_MAX)]
+TokenId = Int(ge=0, le=INT32_MAX)
 
 
 class _Strict(BaseModel):
@@ -66,13 +77,13 @@ class StreamOptions(_Strict):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: Str
+    text: Str()
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[Str, list[TextPart]] = Field(description="a string or a list of text parts")
-    name: Optional[Str] = None
+    content: Union[Str(), list[TextPart]] = Field(description="a string or a list of text parts")
+    name: Optional[Str()] = None
 
     @property
     def text(self) -> str:
@@ -81,22 +92,21 @@ class Message(_Strict):
 
 class _Sampling(_Strict):
     """Fields both endpoints share."""
-    model: Optional[Str] = None
-    max_tokens: Optional[Annotated[Int, Field(ge=1, le=INT32_MAX)]] = None
-    temperature: Annotated[Float, Field(ge=0, le=1e4, description=f"0 (or below {GREEDY_BELOW}): greedy")] = 0.0
-    top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX, description="-1 or 0: off (vLLM's and SGLang's field)")] = 0
-    seed: Optional[Annotated[Int, Field(ge=0, lt=2 ** 32)]] = None
-    n: Annotated[Int, Field(ge=1, le=1, description="only 1")] = 1
-    stop: Union[None, Annotated[Str, Field(min_length=1)],
-                Annotated[list[Annotated[Str, Field(min_length=1)]], Field(max_length=MAX_STOPS)]] = None
+    model: Optional[Str()] = None
+    max_tokens: Optional[Int(ge=1, le=INT32_MAX)] = None
+    temperature: Float(ge=0, le=1e4, description=f"0 (or below {GREEDY_BELOW}): greedy") = 0.0
+    top_p: Float(gt=0, le=1) = 1.0
+    top_k: Int(ge=-1, le=INT32_MAX, description="-1 or 0: off (vLLM's and SGLang's field)") = 0
+    seed: Optional[Int(ge=0, lt=2 ** 32)] = None
+    n: Int(ge=1, le=1, description="only 1") = 1
+    stop: Union[None, Str(min_length=1), Annotated[list[Str(min_length=1)], Field(max_length=MAX_STOPS)]] = None
     stream: Bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[Str] = None  # an identifier for the caller's own records; nothing to do with decoding
+    user: Optional[Str()] = None  # an identifier for the caller's own records; nothing to do with decoding
     # accepted only at the value that means "off"; anything else is refused with a 400 naming the field
-    presence_penalty: Annotated[Float, Field(ge=0, le=0, description="not supported: only 0")] = 0.0
-    frequency_penalty: Annotated[Float, Field(ge=0, le=0, description="not supported: only 0")] = 0.0
-    logit_bias: Optional[dict[Str, Any]] = Field(None, description="not supported: only null or {}")
+    presence_penalty: Float(ge=0, le=0, description="not supported: only 0") = 0.0
+    frequency_penalty: Float(ge=0, le=0, description="not supported: only 0") = 0.0
+    logit_bias: Optional[dict[str, Any]] = Field(None, description="not supported: only null or {}")
 
     @model_validator(mode="after")
     def _off(self):
@@ -116,13 +126,13 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a list holding one of those
     (a batch of one); a batch of several is refused (one prompt per request)."""
-    prompt: Union[Str, Annotated[list[TokenId], Field(min_length=1)],
-                  Annotated[list[Union[Str, Annotated[list[TokenId], Field(min_length=1)]]],
+    prompt: Union[Str(), Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Union[Str(), Annotated[list[TokenId], Field(min_length=1)]]],
                             Field(min_length=1, max_length=1)]]
     echo: Annotated[Bool, Field(description="not supported: only false")] = False
-    logprobs: Optional[Annotated[Int, Field(ge=0, le=0, description="not supported: only null or 0")]] = None
-    best_of: Optional[Annotated[Int, Field(ge=1, le=1, description="only 1")]] = None
-    suffix: Optional[Annotated[Str, Field(max_length=0, description="not supported: only null or empty")]] = None
+    logprobs: Optional[Int(ge=0, le=0, description="not supported: only null or 0")] = None
+    best_of: Optional[Int(ge=1, le=1, description="only 1")] = None
+    suffix: Optional[Str(max_length=0, description="not supported: only null or empty")] = None
 
     @model_validator(mode="after")
     def _echo(self):
@@ -140,10 +150,10 @@ class CompletionRequest(_Sampling):
 class ChatRequest(_Sampling):
     """POST /v1/chat/completions."""
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Optional[Annotated[Int, Field(ge=1, le=INT32_MAX)]] = None
+    max_completion_tokens: Optional[Int(ge=1, le=INT32_MAX)] = None
     logprobs: Annotated[Bool, Field(description="not supported: only false")] = False
-    top_logprobs: Optional[Annotated[Int, Field(ge=0, le=0, description="not supported: only null or 0")]] = None
-    response_format: Optional[dict[Str, Any]] = Field(None, description='not supported: only {"type": "text"}')
+    top_logprobs: Optional[Int(ge=0, le=0, description="not supported: only null or 0")] = None
+    response_format: Optional[dict[str, Any]] = Field(None, description='not supported: only {"type": "text"}')
     tools: Optional[Annotated[list[Any], Field(max_length=0, description="not supported: only null or []")]] = None
     tool_choice: Optional[Literal["none"]] = Field(None, description='not supported: only "none"')
     parallel_tool_calls: Optional[Bool] = None

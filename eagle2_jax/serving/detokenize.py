@@ -35,13 +35,17 @@ class TextStream:
         self.used = len(self.tokens)
         before = self._decode(self.tokens[self._prefix:self._read])
         now = self._decode(self.tokens[self._prefix:])
+        pending = ""  # text before an incomplete character at the end: searched, not yet kept
         if len(now) > len(before) and not now.endswith("\ufffd"):
             self.text += now[len(before):]
             self._prefix, self._read = self._read, len(self.tokens)
-        cut = min((i for i in (self.text.find(s, max(self.sent - len(s), 0)) for s in self.stops) if i >= 0),
+        elif len(now) > len(before):
+            pending = now[len(before):].rstrip("\ufffd")
+        seen = self.text + pending
+        cut = min((i for i in (seen.find(s, max(self.sent - len(s), 0)) for s in self.stops) if i >= 0),
                   default=-1)
         if cut >= 0:
-            self.text, self.stopped = self.text[:cut], True
+            self.text, self.stopped = seen[:cut], True
             return self._hand_out(len(self.text))
         return self._hand_out(len(self.text) - self._held())
 
