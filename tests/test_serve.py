@@ -21,10 +21,10 @@ MODEL = "smollm2-135m-instruct"
 
 
 @contextlib.contextmanager
-def serving(engine, tokenizer, queue_limit=8):
+def serving(engine, tokenizer, queue_limit=8, **kw):
     """The app over `engine` on 127.0.0.1 (a free port) in a thread; yields (url, app)."""
     from infer.serve import build_app
-    app = build_app(engine, tokenizer, MODEL, queue_limit=queue_limit)
+    app = build_app(engine, tokenizer, MODEL, queue_limit=queue_limit, **kw)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
