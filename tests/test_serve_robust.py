@@ -271,6 +271,9 @@ def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server, engine,
     r = seen[0]
     assert r.finish_reason == "cancelled" and len(r.tokens) < 80
     assert sum(engine.dispatches.values()) - dispatches <= 2  # the dispatch in flight, at most one more
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as m:
+        text = m.read().decode()
+    assert "eagle2_running_rows 0.0" in text and 'eagle2_requests_ended_total{reason="cancelled"}' in text
 
 
 def test_bodies_past_the_limit_get_413_and_health_answers_during_a_large_one(engine, smollm2):
