@@ -12,21 +12,21 @@ Array names end in their shape (`tokens_BN`: [B, N]); each letter has one meanin
   E programs of one attention walk (Pallas)            X the key axis of a mask (S or T)
   Y query rows of attention (G * T)                    J any gathered index
 """
-from . import ops
-from .batching import GenerateOutput
-from .checkpoints import load_target
+from .models import ops
+from .decoding.batching import GenerateOutput
+from .loading.checkpoints import load_target
 from .config import ModelConfig, SamplingConfig, TreeConfig
-from .convert import CheckpointError
-from .draft import Draft, init_draft
-from .draft_io import load_draft, save_draft
-from .generation import generate
-from .model import Target, forward, init_target
+from .loading.convert import CheckpointError
+from .models.draft import Draft, init_draft
+from .loading.draft_io import load_draft, save_draft
+from .decoding.generation import generate
+from .models.target import Target, forward, init_target
 from .sharding import make_mesh, parse_mesh
-from .vanilla import generate_vanilla
+from .decoding.vanilla import generate_vanilla
 # Backends plug in through ops.register (the core never imports them): the Pallas attention kernel
-# (opt-in, eagle2_jax.pallas) is asked first, then the CPU backend (eagle2_jax.cpu).
-from . import pallas as _pallas  # noqa: E402,F401
-from . import cpu as _cpu  # noqa: E402,F401
+# (opt-in, eagle2_jax.backends.pallas) is asked first, then the CPU backend (eagle2_jax.backends.cpu).
+from .backends import pallas as _pallas  # noqa: E402,F401
+from .backends import cpu as _cpu  # noqa: E402,F401
 
 __all__ = [
     "CheckpointError", "Draft", "GenerateOutput", "ModelConfig", "SamplingConfig", "Target", "TreeConfig",

@@ -23,9 +23,9 @@ import time
 from tqdm import tqdm
 
 from eagle2_jax import generate, generate_vanilla
-from eagle2_jax.defaults import default_dtype, platform
-from eagle2_jax.programs import enable_compile_cache
-from eagle2_jax.registry import resolve_source
+from eagle2_jax.platform import default_dtype, platform
+from eagle2_jax.decoding.programs import enable_compile_cache
+from eagle2_jax.loading.registry import resolve_source
 from infer.cli import (Parser, add_backend_args, add_model_args, add_sampling_args, add_tree_args, fail, load_models,
                        positive_int, tree_of, writable_dir)
 from infer.prompts import DEFAULT_QUESTIONS, load_questions, render
@@ -251,7 +251,7 @@ def _summary(rows, runners, args, tree, warm, target):
     summary = summarize(rows, runners, args, tree, warm)
     summary["settings"] = settings(args, runners, tree)
     module = getattr(target, "module", None)  # (test doubles have none)
-    summary["cpu_kernels"] = getattr(getattr(module, "ops", None), "name", "") == "cpu"  # eagle2_jax.cpu in use
+    summary["cpu_kernels"] = getattr(getattr(module, "ops", None), "name", "") == "cpu"  # eagle2_jax.backends.cpu in use
     if platform() == "gpu":  # timings depend on it, answers do not
         summary["gpu_graphs"] = args.gpu_graphs
     return summary

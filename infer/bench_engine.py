@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from eagle2_jax.programs import enable_compile_cache
+from eagle2_jax.decoding.programs import enable_compile_cache
 from eagle2_jax.serving import Engine
 from infer.cli import (Parser, add_backend_args, add_model_args, load_models, positive_int, positive_ints,
                        writable_dir)

@@ -9,8 +9,8 @@ import os
 import sys
 
 import eagle2_jax as e2
-from eagle2_jax.autotune import resolve_tree
-from eagle2_jax.draft_io import NAMED_DRAFTS
+from eagle2_jax.decoding.autotune import resolve_tree
+from eagle2_jax.loading.draft_io import NAMED_DRAFTS
 
 
 class Parser(argparse.ArgumentParser):
@@ -175,7 +175,7 @@ def add_sampling_args(ap, top: bool = True):
 def add_layer_layout(g):
     g.add_argument("--layer-layout", choices=["auto", "scan", "list"], default="auto",
                    help="how the target's layers run: scan (stacked weights, one compiled layer body), list "
-                        "(a buffer per layer, the loop unrolled); auto: the platform's choice (eagle2_jax.ops.xla_for)")
+                        "(a buffer per layer, the loop unrolled); auto: the platform's choice (eagle2_jax.models.ops.xla_for)")
 
 
 def add_backend_args(ap, attention: bool = True, gpu_graphs: bool = True, draft: bool = True):
@@ -185,7 +185,7 @@ def add_backend_args(ap, attention: bool = True, gpu_graphs: bool = True, draft:
     add_layer_layout(g)
     g.add_argument("--no-packed", dest="packed", action="store_false",
                    help="dequantise a GGUF target to --dtype in memory. By default, float32 on one CPU device, its "
-                        "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them (eagle2_jax.cpu.packed)")
+                        "Q4_1/Q8_0 blocks stay packed and the CPU kernels read them (eagle2_jax.backends.cpu.packed)")
     if draft:
         g.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                        help="draft head dtype (default: the target's); the draft only proposes, so outputs are unchanged")
@@ -195,7 +195,7 @@ def add_backend_args(ap, attention: bool = True, gpu_graphs: bool = True, draft:
     if attention:
         g.add_argument("--attention", choices=["xla", "pallas"], default="xla",
                        help="pallas: attention as one Pallas kernel reading only the live cache blocks (GPU/TPU; "
-                            "eagle2_jax.pallas, opt-in until a device has timed it)")
+                            "eagle2_jax.backends.pallas, opt-in until a device has timed it)")
     if gpu_graphs:
         g.add_argument("--gpu-graphs", choices=["body", "loop", "off"], default="body",
                        help="GPU: CUDA graphs of the on-device decode loop: body (XLA's own, one graph per step or "

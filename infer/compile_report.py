@@ -8,7 +8,7 @@ Programs: plain prefill, plain decode (the whole `lax.while_loop`), EAGLE-2 pref
 instructions of the optimised HLO module XLA compiled for this machine's backend; `lowered_ops`
 those of the program as lowered, before XLA's passes.
 Layers run under `lax.scan` over stacked weights, so neither should grow with depth; except where
-the programs run with per-layer weight buffers (`--layer-layout list`, the GPU's default: eagle2_jax.ops),
+the programs run with per-layer weight buffers (`--layer-layout list`, the GPU's default: eagle2_jax.models.ops),
 one copy per layer.
 """
 from __future__ import annotations
@@ -23,9 +23,10 @@ import jax
 import numpy as np
 
 import eagle2_jax as e2
-from eagle2_jax import eagle, layer_list, vanilla
+from eagle2_jax.decoding import eagle, vanilla
+from eagle2_jax.models import layer_list
 from eagle2_jax.config import SamplingConfig
-from eagle2_jax.registry import random_config
+from eagle2_jax.loading.registry import random_config
 from infer.cli import Parser, add_layer_layout, ensure_parent, nonneg_float, positive_int, positive_ints, writable_file
 
 _INSTR = re.compile(r"^\s*(ROOT\s+)?[%\w.\-]+\s*=\s*\S")

@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from eagle2_jax import generate, generate_vanilla, parse_mesh
-from eagle2_jax.registry import BASE_MODELS
-from eagle2_jax.programs import enable_compile_cache
+from eagle2_jax.loading.registry import BASE_MODELS
+from eagle2_jax.decoding.programs import enable_compile_cache
 from infer.cli import (Parser, add_backend_args, add_model_args, add_sampling_args, add_tree_args, fail, load_models,
                        positive_int, tree_of)
 

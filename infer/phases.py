@@ -1,12 +1,12 @@
 """The EAGLE-2 round's phases as standalone jitted programs, for the tools that time them
 (infer.roundcost) or read their compiled cost (infer.analytic). Each wraps the function the decode
-loop runs (eagle2_jax.eagle) as it is; each donates what it updates in place, as the loop does (JAX
+loop runs (eagle2_jax.decoding.eagle) as it is; each donates what it updates in place, as the loop does (JAX
 warns, harmlessly, about the state's scalars a phase leaves alone)."""
 from __future__ import annotations
 
 import jax
 
-from eagle2_jax import eagle
+from eagle2_jax.decoding import eagle
 
 
 def _draft(tp, dp, st, *, tm, dm, tree):

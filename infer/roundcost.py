@@ -11,11 +11,11 @@ Parts, each compiled on its own and timed on device on the same mid-generation s
   round   the whole round as the generation loop runs it (the parts fused by XLA; not their sum)
 The tree for each batch maximises expected tokens/s: measured greedy tokens per round over the
 measured round time. Tokens per round come from a walk of --calibration-rounds real rounds with the
-largest tree, read for every smaller size at the same states (eagle2_jax.autotune.calibrate); the
+largest tree, read for every smaller size at the same states (eagle2_jax.decoding.autotune.calibrate); the
 draft's own estimate (1 + the sum of the N-1 best exp(scores)) is shown beside it.
 Writes roundcost.json, roundcost.md and roundcost.png under --out, and prints the per-batch table a
 head's tree.json takes ("by_batch": the best tree size per batch, or "plain" where none beats plain
-decoding; eagle2_jax.defaults). Times are the best of
+decoding; eagle2_jax.decoding.defaults). Times are the best of
 --repeats runs (compile excluded).
 
 With --analytic nothing runs: for each batch and tree size it prints per-round bytes, FLOPs and
@@ -38,12 +38,12 @@ import numpy as np
 from tqdm import tqdm
 
 from eagle2_jax import TreeConfig
-from eagle2_jax.autotune import best_time, calibrate, fresh_copy
+from eagle2_jax.decoding.autotune import best_time, calibrate, fresh_copy
 from eagle2_jax.config import SamplingConfig
-from eagle2_jax.eagle import STEP, start
-from eagle2_jax.programs import enable_compile_cache
-from eagle2_jax.sampling import SamplingParams
-from eagle2_jax import vanilla
+from eagle2_jax.decoding.eagle import STEP, start
+from eagle2_jax.decoding.programs import enable_compile_cache
+from eagle2_jax.decoding.sampling import SamplingParams
+from eagle2_jax.decoding import vanilla
 from infer import phases
 from infer.analytic import ACCELERATORS, COMPILE_TARGETS, analyze, format_report
 from infer.cli import (Parser, add_backend_args, add_model_args, add_tree_args, ensure_parent, fail, load_models,
@@ -217,7 +217,7 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
 
 
 def by_batch(rows) -> dict:
-    """The per-batch table of a head's tree.json (eagle2_jax.defaults): for each batch size the tree
+    """The per-batch table of a head's tree.json (eagle2_jax.decoding.defaults): for each batch size the tree
     size with the best expected tokens/s, or "plain" where plain decoding's measured tokens/s beats
     every tree's."""
     table = {}

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from tqdm import tqdm
 
 import eagle2_jax as e2
-from eagle2_jax.programs import enable_compile_cache
+from eagle2_jax.decoding.programs import enable_compile_cache
 from eagle2_jax.serving import Engine, compile_programs
 from eagle2_jax.serving.detokenize import TextStream
 from eagle2_jax.serving.worker import EngineUnavailable, Worker

@@ -1,12 +1,12 @@
 """Few-row matmul microbenchmark for the CPU backend: the SmolLM2-135M weight shapes (30 layers of
 q/k/v/o + gate/up/down and the tied 49,152-word LM head, random float32) at 1-8 rows, XLA's dot
-against the few-row kernel (eagle2_jax.cpu.kernels). Backs the CPU-backend figures in
+against the few-row kernel (eagle2_jax.backends.cpu.kernels). Backs the CPU-backend figures in
 docs/performance.md ("CPU backend") and the head's MEASUREMENTS.md.
 
     PYTHONPATH=. python scripts/bench_few_row_matmul.py [--rows 1,2,4,8] [--repeats 15] [--packed]
 
 Prints the best time of one pass over all weights (~540 MB) per row count. --packed adds the same
-pass over random Q4_1 matrices and a Q8_0 LM head through the packed kernels (eagle2_jax.cpu.packed;
+pass over random Q4_1 matrices and a Q8_0 LM head through the packed kernels (eagle2_jax.backends.cpu.packed;
 ~110 MB) and checks that its outputs equal the float32 kernel's on the dequantised weights. No timing
 is asserted anywhere; this only shows what the kernel buys on the machine at hand.
 
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle2_jax.cpu import kernels as cpu_kernels, packed
+from eagle2_jax.backends.cpu import kernels as cpu_kernels, packed
 
 
 def main():

@@ -21,11 +21,12 @@ import jax
 import numpy as np
 
 import eagle2_jax as e2
-from eagle2_jax import eagle, layer_list, vanilla
+from eagle2_jax.decoding import eagle, vanilla
+from eagle2_jax.models import layer_list
 from eagle2_jax.config import SamplingConfig
-from eagle2_jax.draft import with_draft_vocab
-from eagle2_jax.registry import random_config
-from eagle2_jax.sampling import SamplingParams
+from eagle2_jax.models.draft import with_draft_vocab
+from eagle2_jax.loading.registry import random_config
+from eagle2_jax.decoding.sampling import SamplingParams
 from infer.analytic import placement
 from infer.analytic.traffic import hbm_traffic
 from infer.compile_report import count_instructions

@@ -116,11 +116,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import jax
     from eagle2_jax import load_draft, load_target
-    from eagle2_jax.autotune import fresh_copy
+    from eagle2_jax.decoding.autotune import fresh_copy
     from eagle2_jax.config import SamplingConfig, TreeConfig
-    from eagle2_jax.eagle import STEP, STREAM_STEP, start
-    from eagle2_jax.sampling import SamplingParams
-    from eagle2_jax import vanilla
+    from eagle2_jax.decoding.eagle import STEP, STREAM_STEP, start
+    from eagle2_jax.decoding.sampling import SamplingParams
+    from eagle2_jax.decoding import vanilla
     from infer.roundcost import load_prompts
 
     target = load_target("smollm2-135m-instruct")

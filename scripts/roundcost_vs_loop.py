@@ -12,7 +12,7 @@ import json
 import sys
 
 import eagle2_jax as e2
-from eagle2_jax.autotune import resolve_tree
+from eagle2_jax.decoding.autotune import resolve_tree
 from infer.prompts import DEFAULT_QUESTIONS, load_questions, render
 from infer.roundcost import measure
 

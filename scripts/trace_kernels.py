@@ -70,10 +70,10 @@ def main(argv=None):
     import jax
     import numpy as np
     import eagle2_jax as e2
-    from eagle2_jax import eagle, vanilla
-    from eagle2_jax.autotune import fresh_copy
+    from eagle2_jax.decoding import eagle, vanilla
+    from eagle2_jax.decoding.autotune import fresh_copy
     from eagle2_jax.config import SamplingConfig, TreeConfig
-    from eagle2_jax.sampling import SamplingParams
+    from eagle2_jax.decoding.sampling import SamplingParams
     from infer import phases
 
     target = e2.load_target(a.model, dtype=a.dtype)

@@ -25,7 +25,7 @@ def _release_compiled_programs():
     65,530 by default; XLA aborts the process when a compile cannot map)."""
     yield
     import gc
-    from eagle2_jax import programs
+    from eagle2_jax.decoding import programs
     programs.clear_all()
     jax.clear_caches()
     gc.collect()

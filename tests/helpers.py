@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle2_jax.config import ModelConfig
-from eagle2_jax.draft import init_draft
-from eagle2_jax.model import init_target
+from eagle2_jax.models.draft import init_draft
+from eagle2_jax.models.target import init_target
 
 
 def tiny_config(**kw) -> ModelConfig:

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from eagle2_jax import eagle, vanilla
-from eagle2_jax.programs import GPU_GRAPHS, XLA_GRAPH_COMMANDS, gpu_graph_options
+from eagle2_jax.decoding import eagle, vanilla
+from eagle2_jax.decoding.programs import GPU_GRAPHS, XLA_GRAPH_COMMANDS, gpu_graph_options
 from helpers import tiny_config
 from infer import roundcost
 from infer.analytic import (analyze, breakdown, count_kernels, format_report, hbm_traffic, loop_launches, placement,
@@ -311,7 +311,7 @@ def test_compile_for_a_gpu_without_one(shape):
 
 def test_loop_graph_commands_are_xlas_default_plus_while(tmp_path):
     """`loop` mode replaces XLA's list of graph command types (options cannot add to it): the copy in
-    eagle2_jax.programs must stay XLA's own default, read here from the options XLA's GPU compiler reports."""
+    eagle2_jax.decoding.programs must stay XLA's own default, read here from the options XLA's GPU compiler reports."""
     pytest.importorskip("jax_plugins.xla_cuda13")
     if shutil.which("ptxas") is None or jax.default_backend() != "cpu":
         pytest.skip("needs ptxas and the deviceless compile (JAX_PLATFORMS=cpu)")

@@ -2,7 +2,7 @@
 import pytest
 
 from eagle2_jax import TreeConfig, generate, generate_vanilla
-from eagle2_jax.autotune import choose_tree
+from eagle2_jax.decoding.autotune import choose_tree
 from helpers import permutation_oracle
 
 
@@ -26,10 +26,10 @@ def test_calibration_reads_off_what_every_smaller_tree_accepts():
     """autotune's measured acceptance: a round of the big tree, read for size n, must equal a real
     round of the n-node tree from the same state (row by row, over several states of a walk)."""
     import numpy as np
-    from eagle2_jax.autotune import ACCEPT_RANKS
+    from eagle2_jax.decoding.autotune import ACCEPT_RANKS
     from eagle2_jax.config import SamplingConfig
-    from eagle2_jax.eagle import STEP, start
-    from eagle2_jax.sampling import SamplingParams
+    from eagle2_jax.decoding.eagle import STEP, start
+    from eagle2_jax.decoding.sampling import SamplingParams
     t, d, _ = permutation_oracle(0, layer_scale=1.5)  # partly predictable: acceptance varies with n
     big, sizes = TreeConfig(3, 3, 20), (2, 3, 4, 8, 20)
     s = SamplingConfig()

@@ -87,7 +87,7 @@ def test_hf_limit_compares_on_the_same_answers(tmp_path, monkeypatch):
 
 def test_compile_cache_directory_and_switch(monkeypatch, tmp_path):
     import jax
-    from eagle2_jax import programs
+    from eagle2_jax.decoding import programs
     monkeypatch.setenv("EAGLE2_JAX_COMPILE_CACHE", "0")
     assert programs.enable_compile_cache() is None
     monkeypatch.setenv("EAGLE2_JAX_COMPILE_CACHE", "1")

@@ -15,7 +15,7 @@ def no_model_load(monkeypatch):
     """Bad input must stop the tools before a model loads or a program compiles: here either fails
     the test at once (without the checks they would go on to load SmolLM2 and run)."""
     import eagle2_jax
-    from eagle2_jax import checkpoints
+    from eagle2_jax.loading import checkpoints
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the bad input was rejected")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax import eagle, vanilla
+from eagle2_jax.decoding import eagle, vanilla
 from helpers import permutation_oracle, tiny_config, tiny_pair
 
 

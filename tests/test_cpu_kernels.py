@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from eagle2_jax import ModelConfig, init_target
-from eagle2_jax.cpu import kernels as few_rows
-from eagle2_jax.cpu.ops import ATTENTION_SWITCH, KERNELS_SWITCH, CpuOps
-from eagle2_jax.ops import XLA_CPU, attend_xla
+from eagle2_jax.backends.cpu import kernels as few_rows
+from eagle2_jax.backends.cpu.ops import ATTENTION_SWITCH, KERNELS_SWITCH, CpuOps
+from eagle2_jax.models.ops import XLA_CPU, attend_xla
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu" or not few_rows.load(),
                                 reason="few-row kernel is for XLA:CPU and needs a C++ compiler")
@@ -127,7 +127,7 @@ def test_stacked_weights_read_in_place_equal_slices(rows):
     args = _attention_inputs(rng, 2, 3, 4, 2, 9, 16)
     kc = jnp.stack([args[1] * (j + 1) for j in range(L)])
     vc = jnp.stack([args[2] - j for j in range(L)])
-    from eagle2_jax.cpu.ops import Indexed
+    from eagle2_jax.backends.cpu.ops import Indexed
     for i in range(L):
         got = jax.jit(lambda *a: ops.attend(a[0], Indexed(a[1], a[-1]), Indexed(a[2], a[-1]), *a[3:-1]))(
             args[0], kc, vc, *args[3:], jnp.int32(i))

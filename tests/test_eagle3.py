@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax.cache import init_cache
-from eagle2_jax.convert import CheckpointError
-from eagle2_jax.eagle import draft_catch_up
-from eagle2_jax.model import target_apply
-from eagle2_jax.layers import causal_mask
-from eagle2_jax.layer_list import per_layer
-from eagle2_jax.ops import XLA
-from eagle2_jax.tree import expand
+from eagle2_jax.models.cache import init_cache
+from eagle2_jax.loading.convert import CheckpointError
+from eagle2_jax.decoding.eagle import draft_catch_up
+from eagle2_jax.models.target import target_apply
+from eagle2_jax.models.layers import causal_mask
+from eagle2_jax.models.layer_list import per_layer
+from eagle2_jax.models.ops import XLA
+from eagle2_jax.decoding.tree import expand
 
 H, I, NH, NKV, V, VD = 32, 64, 4, 2, 64, 40
 HD = H // NH

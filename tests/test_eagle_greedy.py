@@ -4,9 +4,9 @@ import dataclasses
 import pytest
 
 from eagle2_jax import TreeConfig, generate, generate_vanilla
-from eagle2_jax.eagle import LOOP
-from eagle2_jax.layer_list import per_layer
-from eagle2_jax.ops import XLA, XLA_TPU
+from eagle2_jax.decoding.eagle import LOOP
+from eagle2_jax.models.layer_list import per_layer
+from eagle2_jax.models.ops import XLA, XLA_TPU
 from helpers import permutation_oracle, tiny_pair
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -189,7 +189,7 @@ def test_stream_matches_loop_and_timings(models, reference):
 @pytest.mark.parametrize("cfg", [(3, 2, 9), (5, 4, 30), (1, 1, 2)], ids=lambda c: "d%d_k%d_n%d" % c)
 def test_draft_vocab_subset_is_lossless(models, reference, cfg, tmp_path):
     from eagle2_jax import load_draft, save_draft
-    from eagle2_jax.draft import with_draft_vocab
+    from eagle2_jax.models.draft import with_draft_vocab
     t, d = models["noisy_oracle"]
     sub = with_draft_vocab(d, t, list(range(0, 64, 2)) + [reference["noisy_oracle"][0][0]])
     out = generate(t, sub, PROMPTS, max_new_tokens=23, tree=TreeConfig(*cfg))
@@ -205,7 +205,7 @@ def test_bfloat16_draft_with_float32_target_is_lossless(models, reference, cfg, 
     """The CLIs run the draft in bfloat16 by default: proposals change, outputs must not."""
     import jax.numpy as jnp
     from eagle2_jax import load_draft, save_draft
-    from eagle2_jax.draft import with_draft_vocab
+    from eagle2_jax.models.draft import with_draft_vocab
     t, d = models["noisy_oracle"]
     save_draft(with_draft_vocab(d, t, list(range(0, 64, 2)) + [reference["noisy_oracle"][0][0]]),
                str(tmp_path / "h"), format="eagle", dtype="float32")

@@ -19,8 +19,8 @@ def cache(tmp_path, monkeypatch):
 def test_gguf_index_and_tokenizer_match_the_file(cache):
     import gguf
     from eagle2_jax import file_cache
-    from eagle2_jax.gguf_files import gguf_config, gguf_reader, open_gguf
-    from eagle2_jax.registry import smollm2_gguf
+    from eagle2_jax.loading.gguf_files import gguf_config, gguf_reader, open_gguf
+    from eagle2_jax.loading.registry import smollm2_gguf
     path = smollm2_gguf()
     reader = gguf.GGUFReader(path)
     first = gguf_reader(path)  # parses the file and writes the entry
@@ -95,7 +95,7 @@ def test_shipped_tokenizer_equals_the_gguf_conversion(cache):
     """load_target('smollm2-135m-instruct') takes its tokenizer from eagle2_jax/targets (no torch needed);
     it must be the tokenizer transformers converts from the GGUF."""
     from transformers import AutoTokenizer
-    from eagle2_jax.registry import NAMED_TOKENIZERS, shipped_tokenizer, smollm2_gguf
+    from eagle2_jax.loading.registry import NAMED_TOKENIZERS, shipped_tokenizer, smollm2_gguf
     path = smollm2_gguf()
     ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tok = shipped_tokenizer(NAMED_TOKENIZERS["smollm2-135m-instruct"])
@@ -115,8 +115,8 @@ def test_shipped_tokenizer_equals_the_gguf_conversion(cache):
 def test_gguf_tokenizer_without_torch_fails_first_and_clearly(cache, monkeypatch):
     import importlib.util
     from eagle2_jax import CheckpointError
-    from eagle2_jax.gguf_files import load_gguf
-    from eagle2_jax.registry import smollm2_gguf
+    from eagle2_jax.loading.gguf_files import load_gguf
+    from eagle2_jax.loading.registry import smollm2_gguf
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(CheckpointError, match="needs PyTorch"):
@@ -129,7 +129,7 @@ def test_shipped_gemma3_tokenizer_equals_the_gguf_conversion():
     """load_target('gemma3-270m') takes its tokenizer from eagle2_jax/targets (no torch needed); it must
     be transformers' conversion of the GGUF's, BOS included."""
     from transformers import AutoTokenizer
-    from eagle2_jax.registry import NAMED_TOKENIZERS, gemma3_270m_gguf, shipped_tokenizer
+    from eagle2_jax.loading.registry import NAMED_TOKENIZERS, gemma3_270m_gguf, shipped_tokenizer
     path = gemma3_270m_gguf()
     ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tok = shipped_tokenizer(NAMED_TOKENIZERS["gemma3-270m"])

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax.cache import advance, init_cache
-from eagle2_jax.layers import causal_mask
-from eagle2_jax.model import target_apply, target_logits
+from eagle2_jax.models.cache import advance, init_cache
+from eagle2_jax.models.layers import causal_mask
+from eagle2_jax.models.target import target_apply, target_logits
 from helpers import tiny_config
 
 W = 8  # the local layers' window: the prompts below are longer
@@ -38,8 +38,8 @@ def gemma3_target(seed=0, **kw):
 
 
 def _forms():
-    from eagle2_jax.layer_list import per_layer
-    from eagle2_jax.ops import XLA, XLA_TPU
+    from eagle2_jax.models.layer_list import per_layer
+    from eagle2_jax.models.ops import XLA, XLA_TPU
     return {"default": lambda t: t, "cache_first": lambda t: per_layer(dataclasses.replace(t, ops=XLA)),
             "two_blocks": lambda t: per_layer(dataclasses.replace(t, ops=dataclasses.replace(XLA, cache_first=False))),
             "tpu": lambda t: dataclasses.replace(t, ops=XLA_TPU)}
@@ -118,7 +118,7 @@ def test_real_gemma3_270m_gguf_matches_transformers_and_continues_sensibly():
     import os
     import torch
     import transformers
-    from eagle2_jax.registry import gemma3_270m_gguf
+    from eagle2_jax.loading.registry import gemma3_270m_gguf
     t = e2.load_target("gemma3-270m")
     assert t.config.model_type == "gemma3_text" and t.config.sliding_window == 512
     tok = t.tokenizer
@@ -144,7 +144,7 @@ def test_real_gemma3_270m_gguf_matches_transformers_and_continues_sensibly():
 def test_the_draft_catch_up_attends_within_the_window(form):
     """A head for a sliding-window target attends within the same window: changing a pair more than
     W - 1 positions before the last one leaves the last hidden state as it was; one inside changes it."""
-    from eagle2_jax.eagle import draft_catch_up
+    from eagle2_jax.decoding.eagle import draft_catch_up
     t = _forms()[form](gemma3_target())
     d = e2.init_draft(t, 1)
     if form != "default":

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax.convert import CheckpointError
-from eagle2_jax.draft_io import save_draft
-from eagle2_jax.hf_files import save_hf_dir
+from eagle2_jax.loading.convert import CheckpointError
+from eagle2_jax.loading.draft_io import save_draft
+from eagle2_jax.loading.hf_files import save_hf_dir
 from helpers import tiny_config
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -56,7 +56,7 @@ def test_a_missing_id_offline_is_one_line_naming_the_id_and_the_cache(offline_ca
 
 
 def test_paths_and_names_are_not_taken_for_hub_ids(tmp_path, monkeypatch):
-    from eagle2_jax.hub import is_hub_id
+    from eagle2_jax.loading.hub import is_hub_id
     monkeypatch.chdir(tmp_path)
     os.makedirs("local/model")
     assert not is_hub_id("local/model")  # a directory here wins

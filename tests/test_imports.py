@@ -105,11 +105,11 @@ def test_the_finder_sees_a_circle_and_a_lazy_import(tmp_path):
     """The check itself: a made-up circle is found, a chain is not."""
     assert find_circle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
     assert find_circle({"a": ["b"], "b": ["c"], "c": []}) is None
-    src = "import os\n\ndef f():\n    from . import ops\n    return ops\n"
+    src = "import os\n\ndef f():\n    from .models import ops\n    return ops\n"
     MODULES["eagle2_jax._probe"] = str(tmp_path / "_probe.py")
     (tmp_path / "_probe.py").write_text(src)
     try:
-        assert imports("eagle2_jax._probe") == [("eagle2_jax.ops", True)]
+        assert imports("eagle2_jax._probe") == [("eagle2_jax.models.ops", True)]
     finally:
         del MODULES["eagle2_jax._probe"]
 
@@ -124,3 +124,32 @@ def test_no_project_imports_inside_functions(package):
     lazy = sorted(f"{m} imports {t}" for m in MODULES if m.split(".")[0] == package
                   for t, inside in imports(m) if inside and (m, t) not in LAZY_ALLOWED)
     assert not lazy, "imports inside functions: " + "; ".join(lazy)
+
+
+# The package's parts, bottom to top: a module may import its own part and the parts below it only.
+# The foundation (config, sharding, platform, file_cache) is the package's root; backends plug in from
+# outside (only the package face imports them, to register them).
+LAYERS = {"eagle2_jax": 0, "eagle2_jax.models": 1, "eagle2_jax.loading": 2, "eagle2_jax.decoding": 3,
+          "eagle2_jax.backends": 4, "eagle2_jax.serving": 5}
+
+
+def part(module: str) -> str:
+    """The part a module belongs to: its subpackage under eagle2_jax, or the root."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or (len(parts) == 2 and ".".join(parts) in LAYERS) else parts[0]
+
+
+def test_the_parts_depend_one_way():
+    wrong = []
+    for m, targets in graph().items():
+        if not m.startswith("eagle2_jax") or m == "eagle2_jax":
+            continue
+        for t in targets:
+            if not t.startswith("eagle2_jax") or t == "eagle2_jax":
+                continue
+            a, b = part(m), part(t)
+            if b == "eagle2_jax.backends" and a != b:
+                wrong.append(f"{m} imports the backend {t}")
+            elif a != b and LAYERS[b] > LAYERS[a]:
+                wrong.append(f"{m} ({a}) imports {t} ({b}), a part above it")
+    assert not wrong, "; ".join(wrong)

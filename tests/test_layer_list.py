@@ -1,4 +1,4 @@
-"""Per-layer weight buffers (GPU's layout, eagle2_jax.layer_list) give the same tokens as stacked weights."""
+"""Per-layer weight buffers (GPU's layout, eagle2_jax.models.layer_list) give the same tokens as stacked weights."""
 import dataclasses
 
 import jax
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax import layer_list
-from eagle2_jax.layer_list import LayerList, per_layer
-from eagle2_jax.ops import XLA, XLA_CPU, Ops, xla_for
+from eagle2_jax.models import layer_list
+from eagle2_jax.models.layer_list import LayerList, per_layer
+from eagle2_jax.models.ops import XLA, XLA_CPU, Ops, xla_for
 from helpers import tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -109,7 +109,7 @@ def test_the_layer_layout_is_one_setting_of_the_ops():
 
 
 def test_load_target_gives_per_layer_buffers_when_asked(monkeypatch, tmp_path):
-    from eagle2_jax.hf_files import save_hf_dir
+    from eagle2_jax.loading.hf_files import save_hf_dir
     src = save_hf_dir(_xla(e2.init_target(tiny_config(), 0), XLA_CPU), str(tmp_path / "t"))
     monkeypatch.setenv("EAGLE2_JAX_CPU_KERNELS", "0")  # the plain XLA path (the CPU backend scans stacks itself)
     t = e2.load_target(src, layers="list")
@@ -125,7 +125,7 @@ def test_the_cpu_backend_keeps_its_stacks(monkeypatch, tmp_path):
         pytest.skip("no CPU backend here")
     with pytest.raises(ValueError, match="reads stacked layer weights itself"):
         per_layer(t)
-    from eagle2_jax.hf_files import save_hf_dir
+    from eagle2_jax.loading.hf_files import save_hf_dir
     src = save_hf_dir(t, str(tmp_path / "t"))
     assert not isinstance(e2.load_target(src).params["layers"]["mlp"]["up"]["kernel"], LayerList)
     with pytest.raises(ValueError, match="reads stacked layer weights itself"):
@@ -133,7 +133,7 @@ def test_the_cpu_backend_keeps_its_stacks(monkeypatch, tmp_path):
 
 
 def test_a_per_layer_target_saves_and_reloads(tmp_path):
-    from eagle2_jax.hf_files import save_hf_dir
+    from eagle2_jax.loading.hf_files import save_hf_dir
     t = _xla(e2.init_target(tiny_config(), 0), XLA_CPU)
     src = save_hf_dir(per_layer(t), str(tmp_path / "t"))
     back = e2.load_target(src, tokenizer=False)

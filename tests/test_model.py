@@ -11,11 +11,11 @@ import pytest
 
 from conftest import have_torch
 from eagle2_jax import ModelConfig, forward, init_target, load_target
-from eagle2_jax.cache import advance, init_cache
-from eagle2_jax.convert import CheckpointError
-from eagle2_jax.layers import causal_mask
-from eagle2_jax.model import target_apply, target_logits
-from eagle2_jax.ops import XLA
+from eagle2_jax.models.cache import advance, init_cache
+from eagle2_jax.loading.convert import CheckpointError
+from eagle2_jax.models.layers import causal_mask
+from eagle2_jax.models.target import target_apply, target_logits
+from eagle2_jax.models.ops import XLA
 from helpers import tiny_config
 
 HF_CASES = {
@@ -95,7 +95,7 @@ ATTENTION_FORMS = {"default": None, "cache_first": XLA, "two_blocks": dataclasse
 def _with_form(t, form):
     """The target computing with one attention form; cache-first needs the layer loop unrolled
     (per-layer weight buffers, the GPU layout)."""
-    from eagle2_jax.layer_list import per_layer
+    from eagle2_jax.models.layer_list import per_layer
     if ATTENTION_FORMS[form] is None:
         return t
     return per_layer(dataclasses.replace(t, ops=ATTENTION_FORMS[form]))
@@ -139,7 +139,7 @@ def test_half_precision_dense_rounds_once():
     result (matrix units round on write), XLA:CPU's flavour for an f32 result and a rounding op;
     both give the float32 product rounded to bf16."""
     import jax
-    from eagle2_jax.ops import XLA, XLA_CPU
+    from eagle2_jax.models.ops import XLA, XLA_CPU
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 300)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((300, 7)), jnp.bfloat16)
@@ -209,7 +209,7 @@ def test_config_validation():
 
 
 def test_save_hf_dir_round_trip(tmp_path):
-    from eagle2_jax.hf_files import save_hf_dir
+    from eagle2_jax.loading.hf_files import save_hf_dir
     t = init_target(tiny_config(attention_bias=True), 0)
     t2 = load_target(save_hf_dir(t, str(tmp_path / "m")))
     ids = np.arange(9)[None]
@@ -220,7 +220,7 @@ def test_attention_score_layouts_agree_with_a_numpy_softmax():
     """The three score layouts (GPU's query rows, TPU's query heads, XLA:CPU's slots) give the same
     attention, which is the float64 NumPy softmax over the allowed cache slots and new keys, with
     masks as given or as each layout's `loop_masks` makes them."""
-    from eagle2_jax.ops import XLA, XLA_CPU, XLA_TPU, attend_xla
+    from eagle2_jax.models.ops import XLA, XLA_CPU, XLA_TPU, attend_xla
     assert (XLA.scores, XLA_TPU.scores, XLA_CPU.scores) == ("rows", "heads", "slots")
     rng = np.random.default_rng(1)
     B, T, H, K, Dh, S = 2, 5, 6, 2, 8, 11
@@ -277,5 +277,5 @@ def test_cache_first_forward_equals_two_blocks():
     for x, y in ((c1.k, c2.k), (c1.v, c2.v)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-5, rtol=0)
     assert not np.array_equal(np.asarray(c1.k), np.asarray(cache.k))  # (the new entries were written)
-    from eagle2_jax.model import writes_first
+    from eagle2_jax.models.target import writes_first
     assert writes_first(XLA, T, False, True) and not writes_first(XLA, T, False, False)  # (two forms compared)

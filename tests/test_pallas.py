@@ -1,4 +1,4 @@
-"""The Pallas tree-attention kernel (eagle2_jax.pallas): equal to the XLA attention on random masks,
+"""The Pallas tree-attention kernel (eagle2_jax.backends.pallas): equal to the XLA attention on random masks,
 lossless in generation (interpret mode on CPU), sharded per device, and lowerable for GPU (Triton)
 and TPU (Mosaic) from this machine."""
 import jax
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax import pallas
-from eagle2_jax.ops import attend_xla
-from eagle2_jax.pallas.attention import live_blocks, split_count, tree_attention
+from eagle2_jax.backends import pallas
+from eagle2_jax.models.ops import attend_xla
+from eagle2_jax.backends.pallas.attention import live_blocks, split_count, tree_attention
 from helpers import tiny_config
 
 # the kernel as this machine runs it: interpret mode on a CPU, Triton / Mosaic on a GPU / TPU
@@ -153,8 +153,8 @@ def test_kernel_ops_fall_back_to_the_platforms_score_layout():
 def test_kernel_ops_keep_the_targets_layer_layout():
     """The kernel replaces attention only: a target loaded with per-layer weight buffers (the GPU's
     layout) keeps running its layers as a list under it, and decodes the same tokens."""
-    from eagle2_jax.layer_list import per_layer
-    from eagle2_jax.ops import XLA
+    from eagle2_jax.models.layer_list import per_layer
+    from eagle2_jax.models.ops import XLA
     import dataclasses
     assert pallas.ops_for(backend="gpu").layers == "list" and pallas.ops_for(backend="tpu").layers == "scan"
     t = e2.init_target(tiny_config(num_hidden_layers=3), 0)

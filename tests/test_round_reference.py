@@ -34,9 +34,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from eagle2_jax import SamplingConfig, TreeConfig
-from eagle2_jax.sampling import SamplingParams
-from eagle2_jax.tree import Pool, Tree, rerank
-from eagle2_jax.verify import accept_greedy, accept_sampling
+from eagle2_jax.decoding.sampling import SamplingParams
+from eagle2_jax.decoding.tree import Pool, Tree, rerank
+from eagle2_jax.decoding.verify import accept_greedy, accept_sampling
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -528,8 +528,8 @@ def test_an_empty_residual_never_emits_a_filtered_token():
     the last live child is always accepted, but float32 rounding can reject it with probability
     ~1e-7 (u within an ulp of 1). The bonus must then still be a live token of the node, never one
     that top-k filtered out (sampling from an all-masked row would be uniform over the vocabulary)."""
-    from eagle2_jax.layers import NEG_INF
-    from eagle2_jax.verify import _bonus_row
+    from eagle2_jax.models.layers import NEG_INF
+    from eagle2_jax.decoding.verify import _bonus_row
     x_V = jnp.array([9.3, NEG_INF, NEG_INF, 3.8, NEG_INF, NEG_INF], jnp.float32)  # processed: top-k 2
     tokens_N, parents_N = jnp.array([5, 3, 0], jnp.int32), jnp.array([-1, 0, 0], jnp.int32)
     keys = jax.random.split(jax.random.PRNGKey(0), 256)

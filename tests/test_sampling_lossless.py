@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from eagle2_jax import SamplingConfig, TreeConfig, forward, generate
-from eagle2_jax import verify as verify_mod
-from eagle2_jax.programs import clear_all
-from eagle2_jax.sampling import target_probs
+from eagle2_jax.decoding import verify as verify_mod
+from eagle2_jax.decoding.programs import clear_all
+from eagle2_jax.decoding.sampling import target_probs
 from helpers import tiny_pair
 
 V = 8
@@ -96,8 +96,8 @@ def test_sampling_on_the_accelerator_paths_matches_target_distribution(pair, pat
     and draft passes write their keys/values into the cache first and attend over it alone) and
     on the TPU path (`ops.XLA_TPU`: a scan over stacked layers, scores laid out by query head)."""
     import dataclasses
-    from eagle2_jax.layer_list import per_layer
-    from eagle2_jax.ops import XLA, XLA_TPU
+    from eagle2_jax.models.layer_list import per_layer
+    from eagle2_jax.models.ops import XLA, XLA_TPU
     if path == "gpu":
         t, d = per_layer(dataclasses.replace(pair[0], ops=XLA)), dataclasses.replace(pair[1], ops=XLA)
     else:
@@ -159,14 +159,14 @@ def _reference_accept(probs_NV, tokens_N, parents_N, key):
         return jnp.where(take, j, cur), jnp.where(take, probs_NV[j], jnp.where(reject, p.at[x].set(0.0), p))
 
     cur, p = jax.lax.fori_loop(1, N, body, (jnp.int32(0), probs_NV[0]))
-    from eagle2_jax.sampling import categorical  # the shared sampler (tested on its own below)
+    from eagle2_jax.decoding.sampling import categorical  # the shared sampler (tested on its own below)
     bonus = categorical(k_bonus, jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -1e30))
     return cur, bonus.astype(jnp.int32)
 
 
 def test_scalar_walk_equals_reference_rule():
     """Same keys, same decisions: random trees (with repeated sibling tokens) over a small vocabulary."""
-    from eagle2_jax.tree import Tree
+    from eagle2_jax.decoding.tree import Tree
     rng = np.random.default_rng(0)
     B, N, V = 2048, 12, 6
     parents = np.full((B, N), -1, np.int32)
@@ -194,7 +194,7 @@ def test_scalar_walk_equals_reference_rule():
 
 
 def _categorical_counts(logits, n, seed=0):
-    from eagle2_jax.sampling import categorical
+    from eagle2_jax.decoding.sampling import categorical
     keys = jax.random.split(jax.random.PRNGKey(seed), n)
     draws = np.asarray(jax.jit(jax.vmap(categorical, (0, None)))(keys, logits))
     return np.bincount(draws, minlength=logits.shape[0])
@@ -205,7 +205,7 @@ def test_two_level_categorical_matches_softmax():
     """sampling.categorical (one uniform, block then token) against exact softmax probabilities, over
     several 128-token blocks, a filtered (NEG_INF) block, filtered tokens inside live blocks and a
     ragged last block; zero-probability tokens are never drawn. A shifted distribution must fail."""
-    from eagle2_jax.layers import NEG_INF
+    from eagle2_jax.models.layers import NEG_INF
     rng = np.random.default_rng(0)
     x = rng.normal(size=700).astype(np.float32) * 2.0
     x[128:256] = NEG_INF  # a dead block
@@ -220,7 +220,7 @@ def test_two_level_categorical_matches_softmax():
 
 
 def test_two_level_categorical_single_live_token():
-    from eagle2_jax.layers import NEG_INF
+    from eagle2_jax.models.layers import NEG_INF
     x = np.full(1000, NEG_INF, np.float32)
     x[517] = 0.0
     counts = _categorical_counts(jnp.asarray(x), 2000, seed=1)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax.eagle import PREFILL, program_inputs
-from eagle2_jax.sampling import SamplingParams
+from eagle2_jax.decoding.eagle import PREFILL, program_inputs
+from eagle2_jax.decoding.sampling import SamplingParams
 from eagle2_jax.serving import Engine
-from eagle2_jax.serving.programs import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
+from eagle2_jax.serving.slots import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
 from helpers import permutation_oracle, tiny_config
 
 TREE = e2.TreeConfig(3, 2, 6)

@@ -56,7 +56,7 @@ def test_tpu_path_sharded_equals_unsharded(reference, data, model):
     reshape of the head-sharded queries) gives the same tokens sharded as on one device, and as
     the default ops."""
     import dataclasses
-    from eagle2_jax.ops import XLA_TPU
+    from eagle2_jax.models.ops import XLA_TPU
 
     def run(mesh):
         t = init_target(CFG, 0, mesh=mesh)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import SHARED, have_smollm2
 from eagle2_jax import init_target, load_draft, save_draft
-from eagle2_jax.hf_files import save_hf_dir
+from eagle2_jax.loading.hf_files import save_hf_dir
 from helpers import tiny_config
 from train import data as tdata
 from train import draft as tdraft
@@ -172,9 +172,9 @@ def test_steps_auto_fits_the_cosine_decay_to_the_time_limit(tiny_run):
 
 def test_export_eagle_format_reproduces_draft_logits(tmp_path):
     from eagle2_jax import init_draft
-    from eagle2_jax.cache import init_cache
-    from eagle2_jax.draft import draft_apply
-    from eagle2_jax.layers import causal_mask
+    from eagle2_jax.models.cache import init_cache
+    from eagle2_jax.models.draft import draft_apply
+    from eagle2_jax.models.layers import causal_mask
     t = init_target(tiny_config(), 0)
     d = init_draft(t, 3)
     save_draft(d, str(tmp_path / "e"), format="eagle", dtype="float32")
@@ -281,7 +281,7 @@ def test_draft_loss_and_gradient_agree_across_attention_forms():
     import jax.numpy as jnp
 
     from eagle2_jax import init_draft
-    from eagle2_jax.ops import XLA, XLA_TPU
+    from eagle2_jax.models.ops import XLA, XLA_TPU
     from train.loss import draft_loss, target_features
     rng = np.random.default_rng(5)
     ids = jnp.asarray(rng.integers(0, 64, (2, 12)), jnp.int32)
@@ -371,10 +371,10 @@ def test_rollout_matches_tree_drafting():
     import jax.numpy as jnp
 
     from eagle2_jax import init_draft
-    from eagle2_jax.cache import advance, init_cache
-    from eagle2_jax.draft import draft_apply
-    from eagle2_jax.layers import causal_mask
-    from eagle2_jax.model import target_embed
+    from eagle2_jax.models.cache import advance, init_cache
+    from eagle2_jax.models.draft import draft_apply
+    from eagle2_jax.models.layers import causal_mask
+    from eagle2_jax.models.target import target_embed
     from train.loss import draft_rollout
     t = init_target(tiny_config(), 0)
     d = init_draft(t, 1)
@@ -511,7 +511,7 @@ def test_eagle3_vocab_mask_drops_positions_whose_target_token_is_outside_the_dra
     out of the assistant mask, at every rollout step; in_vocab reports the share kept."""
     import jax.numpy as jnp
     from eagle2_jax import init_draft
-    from eagle2_jax.model import target_logits
+    from eagle2_jax.models.target import target_logits
     from train.loss import draft_loss, target_features, vocab_head
     t = init_target(tiny_config(), 0)
     vocab = np.arange(0, 64, 2)  # half the target's ids

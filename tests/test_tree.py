@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from eagle2_jax import TreeConfig
-from eagle2_jax.tree import Pool, rerank
-from eagle2_jax.verify import accept_greedy
+from eagle2_jax.decoding.tree import Pool, rerank
+from eagle2_jax.decoding.verify import accept_greedy
 
 
 def synthetic_pool(rng, K, D, ties=False):
@@ -114,8 +114,8 @@ def test_greedy_accept_walks_a_valid_path(seed):
 def test_skipped_draft_passes_leave_the_tree_unchanged():
     """With N - 2 < depth the later draft passes cannot contribute a kept node: expanding only
     TreeConfig.passes levels gives the tree that the full-depth pool gives."""
-    from eagle2_jax.cache import init_cache
-    from eagle2_jax.tree import expand
+    from eagle2_jax.models.cache import init_cache
+    from eagle2_jax.decoding.tree import expand
     from helpers import tiny_pair
     t, d = tiny_pair(3)
     d.params = jax.tree_util.tree_map(lambda x: x * 3.0, d.params)  # peaked: deep branches score high
@@ -145,7 +145,7 @@ def test_skipped_draft_passes_leave_the_tree_unchanged():
 def test_top_log_probs_equals_top_k_of_log_softmax():
     """The draft's ranking (top-k on the logits, log-probs of those k alone) gives log_softmax's values
     and order, float32 and bfloat16 logits, jitted, batched."""
-    from eagle2_jax.sampling import top_log_probs
+    from eagle2_jax.models.layers import top_log_probs
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 1000)) * 6
     for dtype in (jnp.float32, jnp.bfloat16):
         xi = x.astype(dtype)
@@ -158,7 +158,7 @@ def test_top_log_probs_equals_top_k_of_log_softmax():
 def test_row_picks_equal_gathers():
     """expand's one-hot row picks give exactly take_along_axis's rows: bf16 and float32 hidden states
     (with infinities), int tokens, bool ancestor masks, repeated picks."""
-    from eagle2_jax.tree import _take_rows
+    from eagle2_jax.decoding.tree import _take_rows
     rng = np.random.default_rng(0)
     B, K, J = 3, 10, 10
     idx = jnp.asarray(rng.integers(0, K, (B, J)), jnp.int32)

@@ -5,8 +5,9 @@ import json
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax.autotune import resolve_tree
-from eagle2_jax.defaults import REFERENCE_TREE, for_batch, platform
+from eagle2_jax.decoding.autotune import resolve_tree
+from eagle2_jax.decoding.defaults import REFERENCE_TREE, for_batch
+from eagle2_jax.platform import platform
 from helpers import tiny_pair
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [4, 4, 4, 4]]

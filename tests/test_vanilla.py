@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from eagle2_jax import forward, generate_vanilla, init_target
-from eagle2_jax.vanilla import LOOP
+from eagle2_jax.decoding.vanilla import LOOP
 from helpers import tiny_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]

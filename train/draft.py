@@ -20,7 +20,7 @@ At the end the head is exported in the EAGLE format (bf16 safetensors) and in ou
 `rollout: R` (> 1) adds R-1 steps in which the head reads its own predicted features, as tree
 drafting does at depth 2..R, with loss weights `rollout_decay**k` (see train.loss.draft_loss);
 the log then also reports acc_k, the top-1 accuracy k steps into the draft's own rollout.
-`arch: eagle3` trains an EAGLE-3 head (eagle2_jax.eagle3) instead: features from three target layers
+`arch: eagle3` trains an EAGLE-3 head (eagle2_jax.models.eagle3) instead: features from three target layers
 (the feature cache holds them beside the final features), the head's own LM head over the draft
 vocabulary (`draft_vocab`, sorted ids; d2t from them), the cross-entropy alone (v_weight, p_weight and
 noise are EAGLE-2's), the training-time test with `rollout` steps (the paper uses 7), and the export

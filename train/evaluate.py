@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from eagle2_jax import TreeConfig, generate
-from eagle2_jax.draft import with_draft_vocab
+from eagle2_jax.models.draft import with_draft_vocab
 from train.batches import Batcher
 from train.config import TrainConfig
 

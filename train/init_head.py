@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle2_jax import CheckpointError, init_draft, load_draft
-from eagle2_jax.draft import check_aux_layers
+from eagle2_jax.models.draft import check_aux_layers
 from train.config import TrainConfig
 from train.head_vocab import eagle3_head_from_target, eagle3_own_vocab, grow_eagle3_vocab, is_count, resolve_vocab
 

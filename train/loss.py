@@ -1,5 +1,5 @@
 """The EAGLE draft loss: smooth-L1 feature regression + soft cross-entropy through the frozen LM head
-(EAGLE-1/2 heads); for EAGLE-3 heads (eagle2_jax.eagle3) soft cross-entropy of the head's own
+(EAGLE-1/2 heads); for EAGLE-3 heads (eagle2_jax.models.eagle3) soft cross-entropy of the head's own
 LM head over its draft vocabulary against the target's distribution renormalised over it.
 
 Alignment (draft position j): input (embed(t_{j+1}), f_j) -> prediction of f_{j+1}, whose LM-head
@@ -11,11 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from eagle2_jax.cache import init_cache
-from eagle2_jax.draft import draft_apply
-from eagle2_jax.eagle3 import Eagle3Draft
-from eagle2_jax.layers import causal_mask
-from eagle2_jax.model import target_apply, target_embed, target_logits
+from eagle2_jax.models.cache import init_cache
+from eagle2_jax.models.draft import draft_apply
+from eagle2_jax.models.eagle3 import Eagle3Draft
+from eagle2_jax.models.layers import causal_mask
+from eagle2_jax.models.target import target_apply, target_embed, target_logits
 
 
 def segment_mask(seg_BT) -> jax.Array:

@@ -9,10 +9,10 @@ and a host loop that admits, dispatches a bounded number of rounds, hands out to
     r.tokens
 
 Each request is prefilled alone (eagle.PREFILL, batch 1, the engine's cache bucket: one program per
-prompt bucket) and inserted into the lowest free slot (programs.INSERT). The device state holds as
+prompt bucket) and inserted into the lowest free slot (slots.INSERT). The device state holds as
 many rows as the slot bucket covering the busy slots (a power of two up to `slots`; programs.RESIZE
-when the load changes bucket, after programs.MOVE packs busy rows low), so a dispatch computes no
-more rows than that. `step` runs up to `rounds_per_dispatch` rounds on device (programs.ROUNDS,
+when the load changes bucket, after slots.MOVE packs busy rows low), so a dispatch computes no
+more rows than that. `step` runs up to `rounds_per_dispatch` rounds on device (slots.ROUNDS,
 returning early when a row finishes), reads each busy row's new tokens and frees the slots whose
 rows are done.
 
@@ -35,16 +35,16 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from ..autotune import resolve_tree
-from ..batching import MIN_PROMPT_BUCKET, cache_bucket, eos_value, next_pow2, round_up
+from ..decoding.autotune import resolve_tree
+from ..decoding.batching import MIN_PROMPT_BUCKET, cache_bucket, eos_value, next_pow2, round_up
 from ..config import SamplingConfig, TreeConfig
-from ..draft import Draft, check_compatible
-from ..defaults import for_batch
-from ..eagle import PREFILL, program_inputs, scratch_slots
-from ..model import Target
-from ..sampling import SamplingParams
+from ..models.draft import Draft, check_compatible
+from ..decoding.defaults import for_batch
+from ..decoding.eagle import PREFILL, program_inputs, scratch_slots
+from ..models.target import Target
+from ..decoding.sampling import SamplingParams
 from ..sharding import batch_multiple, to_host
-from .programs import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
+from .slots import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
 
 MODES = ("eagle", "vanilla")
 PLAIN_SLACK = TreeConfig(1, 1, 1)  # a plain round's scratch: the root and the commit

@@ -9,7 +9,7 @@ Bytes and FLOPs are `Lowered.cost_analysis()` of each program before XLA's optim
 operands and results counted as if nothing were fused, so backend-specific rewrites (CPU fusion
 choices) do not distort them; they over-count what a fused kernel reads and are an upper bound.
 XLA counts a while loop's body once, so for the analysis each layer's weights are a buffer of their
-own and the layer loop is unrolled (`eagle2_jax.layer_list.per_layer`, as programs run on GPU):
+own and the layer loop is unrolled (`eagle2_jax.models.layer_list.per_layer`, as programs run on GPU):
 each weight counts once. The stacked KV cache is still sliced per layer, as the program does.
 Kernels: instructions of the program XLA compiles for this machine's backend (fusions, library
 calls, copies; not parameters, constants, tuples or bitcasts): a proxy for GPU/TPU launches, whose

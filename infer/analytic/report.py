@@ -12,12 +12,13 @@ import jax
 import numpy as np
 
 import eagle2_jax as e2
-from eagle2_jax import eagle, layer_list, vanilla
+from eagle2_jax.decoding import eagle, vanilla
+from eagle2_jax.models import layer_list
 from eagle2_jax.config import SamplingConfig
-from eagle2_jax.draft import with_draft_vocab
-from eagle2_jax.pallas import ops_for
-from eagle2_jax.programs import gpu_graph_options
-from eagle2_jax.sampling import SamplingParams
+from eagle2_jax.models.draft import with_draft_vocab
+from eagle2_jax.backends.pallas import ops_for
+from eagle2_jax.decoding.programs import gpu_graph_options
+from eagle2_jax.decoding.sampling import SamplingParams
 from infer import phases
 
 from .graphs import compile_with_thunks, loop_launches
@@ -46,7 +47,7 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
             attention: str = "xla", compile_for: str | None = None, dump_hlo: str | None = None,
             gpu_graphs: str = "body", layers: str | None = None) -> dict:
     """The report for one shape, batch and tree (see infer.analytic's docstring). attention="pallas":
-    the programs with the Pallas tree-attention kernel (eagle2_jax.pallas), lowered for the
+    the programs with the Pallas tree-attention kernel (eagle2_jax.backends.pallas), lowered for the
     platform of `compile_for` (or else the accelerator's: GPU Triton, TPU Mosaic); its
     pre-optimisation bytes are its cost estimate (every cache block read), and its kernels are
     counted only in the compiled rows. compile_for="h200" (or "h100", "tpu-v6e", "tpu-v5e"): also
@@ -54,10 +55,10 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
     libtpu needed) and add their fused HBM bytes and kernels (hbm_traffic; for a GPU also with its
     L2) as "compiled" rows, the step and round as one trip of the decode loops; dump_hlo: a
     directory for the compiled HLO. For a GPU the decode loops compile with the CUDA-graph mode
-    `gpu_graphs` (eagle2_jax.programs.gpu_graph_options) and the report adds what the host launches and
+    `gpu_graphs` (eagle2_jax.decoding.programs.gpu_graph_options) and the report adds what the host launches and
     waits for per trip (loop_launches). layers: the layer layout of the compiled rows, "scan" (stacked
     weights, one scanned layer body) or "list" (a buffer per layer, the loop unrolled); None: the
-    platform's choice (its Ops, eagle2_jax.ops.xla_for: per-layer on GPU, a scan on TPU)."""
+    platform's choice (its Ops, eagle2_jax.models.ops.xla_for: per-layer on GPU, a scan on TPU)."""
     if accelerator not in ACCELERATORS:
         raise ValueError(f"unknown accelerator {accelerator!r}: one of {', '.join(ACCELERATORS)}")
     target = e2.load_target(model, dtype=dtype, abstract=True)

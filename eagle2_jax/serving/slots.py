@@ -1,0 +1,118 @@
+"""The serving engine's device programs over a state of R slots: insert a prefilled request into a slot,
+move a row between slots, resize the state to another slot bucket, run a bounded number of rounds,
+retire slots.
+
+A slot is one row of an `eagle.EagleState`; an idle slot is a done row, which every round leaves
+untouched. A request is prefilled on its own (eagle.PREFILL, batch 1, the engine's cache bucket),
+then INSERT writes that one-row state into its slot. The state holds R rows, R the slot bucket (a
+power of two) covering the busy slots, so one request on an eight-slot engine runs batch-1 rounds;
+RESIZE grows it with idle rows or drops idle rows at the end when the load changes bucket. Every
+program here is compiled once per (slot bucket, cache bucket, tree or plain, greedy or sampling):
+arrivals, departures, lengths and sampling values are data.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from ..models.cache import KVCache
+from ..config import TreeConfig
+from ..decoding.eagle import EagleState, eagle_round, plain_round
+from ..decoding.programs import Program
+
+ROW_FIELDS = ("root_B", "hidden_BD", "out_BM", "n_out_B", "done_B", "max_new_B", "keys_B", "accept_BR", "rounds_B")
+
+
+def _map_rows(fn, *states: EagleState) -> EagleState:
+    """fn(arrays, row_axis) over every per-row array of the states (KV buffers: rows on axis 1)."""
+    def cache(*cs):
+        return KVCache(k=fn([c.k for c in cs], 1), v=fn([c.v for c in cs], 1), length=fn([c.length for c in cs], 0))
+    rows = {f: fn([getattr(s, f) for s in states], 0) for f in ROW_FIELDS}
+    return states[0].replace(tcache=cache(*(s.tcache for s in states)), dcache=cache(*(s.dcache for s in states)),
+                             **rows)
+
+
+def _put(big, part, start, axis: int):
+    at = [jnp.int32(0)] * big.ndim
+    at[axis] = start
+    return jax.lax.dynamic_update_slice(big, part.astype(big.dtype), at)
+
+
+def insert(st: EagleState, one: EagleState, slot) -> EagleState:
+    """The slots' state with slot `slot` holding the one-row state `one` (same cache bucket): both
+    caches, root, hidden state, output row, counters and key."""
+    return _map_rows(lambda xs, axis: _put(xs[0], jax.lax.slice_in_dim(xs[1], 0, 1, axis=axis), slot, axis),
+                     st, one)
+
+
+def move(st: EagleState, src, dst) -> EagleState:
+    """Row `src` copied into slot `dst` (the engine then retires `src`): packs busy rows low."""
+    return insert(st, _map_rows(lambda xs, axis: jax.lax.dynamic_slice_in_dim(xs[0], src, 1, axis), st), dst)
+
+
+def resize(st: EagleState, rows: int) -> EagleState:
+    """The state with `rows` rows: idle rows (done, empty caches) appended, or the rows from `rows` on
+    dropped (the engine only drops idle rows)."""
+    B = st.done_B.shape[0]
+    if rows <= B:
+        return _map_rows(lambda xs, axis: jax.lax.slice_in_dim(xs[0], 0, rows, axis=axis), st)
+
+    def pad(xs, axis):
+        x = xs[0]
+        shape = list(x.shape)
+        shape[axis] = rows - B
+        fill = jnp.ones(shape, x.dtype) if x.dtype == jnp.bool_ else jnp.zeros(shape, x.dtype)  # done_B: idle
+        return jnp.concatenate([x, fill], axis=axis)
+    return _map_rows(pad, st)
+
+
+def retire(st: EagleState, stop_B) -> EagleState:
+    """Rows where `stop_B` is set are done (a cancelled request, a stop string found on the host)."""
+    return st.replace(done_B=st.done_B | stop_B)
+
+
+def rounds(tmodule, tparams, dmodule, dparams, st: EagleState, sampling, max_rounds, *,
+           tree: Optional[TreeConfig], catch_up: bool = True) -> EagleState:
+    """Up to `max_rounds` rounds of `tree` (None: plain decoding steps) over every row, returning early
+    once a row finishes (its slot can then be reused). `sampling`: scalars or one value per row."""
+    done0 = jnp.sum(st.done_B)
+
+    def more(carry):
+        s, i = carry
+        return (i < max_rounds) & (jnp.sum(s.done_B) == done0) & ~jnp.all(s.done_B)
+
+    def body(carry):
+        s, i = carry
+        if tree is None:
+            return plain_round(tmodule, tparams, dmodule, dparams, s, sampling, catch_up), i + 1
+        return eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), i + 1
+    return jax.lax.while_loop(more, body, (st, jnp.int32(0)))[0]
+
+
+def _insert(st, one, slot):
+    return insert(st, one, slot)
+
+
+def _move(st, src, dst):
+    return move(st, src, dst)
+
+
+def _retire(st, stop_B):
+    return retire(st, stop_B)
+
+
+def _resize(st, *, rows):
+    return resize(st, rows)
+
+
+def _rounds(tparams, dparams, st, sampling, max_rounds, *, tmodule, dmodule, tree, catch_up):
+    return rounds(tmodule, tparams, dmodule, dparams, st, sampling, max_rounds, tree=tree, catch_up=catch_up)
+
+
+INSERT = Program(_insert, (), donate=("st",))
+MOVE = Program(_move, (), donate=("st",))
+RETIRE = Program(_retire, (), donate=("st",))
+RESIZE = Program(_resize, ("rows",))  # new shapes: nothing to donate
+ROUNDS = Program(_rounds, ("tmodule", "dmodule", "tree", "catch_up"), donate=("st",), loop=True)
