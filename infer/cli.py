@@ -9,6 +9,7 @@ import os
 import sys
 
 import eagle2_jax as e2
+from eagle2_jax.backends import pallas
 from eagle2_jax.decoding.autotune import resolve_tree
 from eagle2_jax.loading.draft_io import NAMED_DRAFTS
 
@@ -219,7 +220,7 @@ def load_models(args, need_draft: bool = True, mesh=None):
         if args.draft != "none" and (need_draft or args.draft != "auto" or shipped or name.startswith("random:")):
             draft = e2.load_draft(name, target, dtype=getattr(args, "draft_dtype", None),
                                draft_vocab=not getattr(args, "full_draft_vocab", False))
-        target, draft = e2.pallas.by_name(getattr(args, "attention", "xla"), target, draft)
+        target, draft = pallas.by_name(getattr(args, "attention", "xla"), target, draft)
     except (e2.CheckpointError, ValueError) as e:
         fail(str(e))
     return target, draft

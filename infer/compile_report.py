@@ -26,6 +26,7 @@ import eagle2_jax as e2
 from eagle2_jax.decoding import eagle, vanilla
 from eagle2_jax.models import layer_list
 from eagle2_jax.config import SamplingConfig
+from eagle2_jax.decoding.spec import RoundSpec
 from eagle2_jax.loading.registry import random_config
 from infer.cli import Parser, add_layer_layout, ensure_parent, nonneg_float, positive_int, positive_ints, writable_file
 
@@ -71,15 +72,16 @@ def report(model: str, dtype: str, layers, batch: int, prompt_len: int, max_new:
         r, state = _measure(vanilla.PREFILL, args, static, compile_)
         rows.append(dict(layers=L, program="prefill", **r))
         progress(rows[-1])
-        r, _ = _measure(vanilla.LOOP, (target.params, state, args[-1]), dict(module=target.module), compile_)
+        r, _ = _measure(vanilla.LOOP, (args[0], state, args[-1]), dict(spec=static["spec"]), compile_)
         rows.append(dict(layers=L, program="plain decode", **r))
         progress(rows[-1])
-        b, args, static = eagle.program_inputs(target, draft, prompts, max_new, None, 0, sampling, tree)
+        b, args, static = eagle.program_inputs(target, draft, prompts, max_new, None, 0, sampling,
+                                               eagle.scratch_slots(tree))
         r, state = _measure(eagle.PREFILL, args, static, compile_)
         rows.append(dict(layers=L, program="eagle2 prefill", **r))
         progress(rows[-1])
-        r, _ = _measure(eagle.LOOP, (target.params, draft.params, state, args[-1]),
-                        dict(tmodule=target.module, dmodule=draft.module, tree=tree), compile_)
+        r, _ = _measure(eagle.LOOP, (args[0], state, args[-1]), dict(spec=RoundSpec.of(target, draft, tree)),
+                        compile_)
         rows.append(dict(layers=L, program="eagle2 decode", **r))
         progress(rows[-1])
     return rows

@@ -1,7 +1,8 @@
 """The EAGLE-2 round's phases as standalone jitted programs, for the tools that time them
-(infer.roundcost) or read their compiled cost (infer.analytic). Each wraps the function the decode
-loop runs (eagle2_jax.decoding.eagle) as it is; each donates what it updates in place, as the loop does (JAX
-warns, harmlessly, about the state's scalars a phase leaves alone)."""
+(infer.roundcost) or read their compiled cost (infer.analytic). Each is the function the decode loop
+runs (eagle2_jax.decoding.eagle) as it is, over (params, state, ..., spec); each donates what it
+updates in place, as the loop does (JAX warns, harmlessly, about the state's scalars a phase leaves
+alone). VERIFY reads no tree from its spec (the tree's shape is its input's): give it spec.prefill()."""
 from __future__ import annotations
 
 import jax
@@ -9,23 +10,20 @@ import jax
 from eagle2_jax.decoding import eagle
 
 
-def _draft(tp, dp, st, *, tm, dm, tree):
-    return eagle.draft_tree(tm, tp, dm, dp, st, tree)
+def _draft(params, st, *, spec):
+    return eagle.draft_tree(spec, params, st)
 
 
-def _verify(tp, st, t, *, tm, dm):
-    return eagle.verify_tree(tm, tp, dm, st, t)
+def _verify(params, st, t, *, spec):
+    return eagle.verify_tree(spec, params, st, t)
 
 
-def _accept(tp, dp, st, t, v, dcache, sampling, *, tm, dm, tree):
-    return eagle.accept_and_commit(tm, tp, dm, dp, st, t, v, dcache, sampling, tree.max_accept)
+def _accept(params, st, t, v, dcache, sampling, *, spec):
+    return eagle.accept_and_commit(spec, params, st, t, v, dcache, sampling, spec.tree.max_accept)
 
 
-def _round(tp, dp, st, sampling, *, tm, dm, tree):
-    return eagle.eagle_round(tm, tp, dm, dp, st, sampling, tree)
-
-
-DRAFT = jax.jit(_draft, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",))
-VERIFY = jax.jit(_verify, static_argnames=("tm", "dm"), donate_argnames=("st",))
-ACCEPT = jax.jit(_accept, static_argnames=("tm", "dm", "tree"), donate_argnames=("st", "v", "dcache"))
-ROUND = jax.jit(_round, static_argnames=("tm", "dm", "tree"), donate_argnames=("st",))
+DRAFT = jax.jit(_draft, static_argnames=("spec",), donate_argnames=("st",))
+VERIFY = jax.jit(_verify, static_argnames=("spec",), donate_argnames=("st",))
+ACCEPT = jax.jit(_accept, static_argnames=("spec",), donate_argnames=("st", "v", "dcache"))
+ROUND = jax.jit(lambda params, st, sampling, *, spec: eagle.eagle_round(spec, params, st, sampling),
+                static_argnames=("spec",), donate_argnames=("st",))

@@ -43,6 +43,7 @@ from eagle2_jax.config import SamplingConfig
 from eagle2_jax.decoding.eagle import STEP, start
 from eagle2_jax.decoding.programs import enable_compile_cache
 from eagle2_jax.decoding.sampling import SamplingParams
+from eagle2_jax.decoding.spec import RoundSpec, params_of
 from eagle2_jax.decoding import vanilla
 from infer import phases
 from infer.analytic import ACCELERATORS, COMPILE_TARGETS, analyze, format_report
@@ -145,7 +146,8 @@ def _best(fn, make_args, repeats, first_call=None):
 def _plain_step_ms(target, prompts, repeats, max_new=256):
     s = SamplingConfig()
     st, _ = vanilla.start(target, prompts, max_new_tokens=max_new, sampling=s)
-    return _best(lambda st_: vanilla.STREAM_STEP(target.params, st_, SamplingParams.of(s), module=target.module),
+    params, spec = params_of(target), RoundSpec.of(target)
+    return _best(lambda st_: vanilla.STREAM_STEP(params, st_, SamplingParams.of(s), spec=spec),
                  lambda: (fresh_copy(st),), repeats)
 
 
@@ -176,35 +178,34 @@ def measure(target, draft, prompts, depth: int, top_k: int, sizes, repeats: int,
     def state(ps):
         return start(target, draft, ps, max_new_tokens=max_new, tree=big, sampling=s)[0]
 
-    tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
+    params = params_of(target, draft)
     # measured greedy acceptance of every size along a real walk (autotune.calibrate), over the calibration
     # prompts; the parts are timed on the batch's own mid-generation state after a walk as long
     st = state(prompts)
     if calibration_prompts is not None and len(calibration_prompts) > len(prompts):
         acc, _ = calibrate(target, draft, state(calibration_prompts), big, rounds=calibration_rounds)
         for _ in range(calibration_rounds):
-            st = STEP(tp, dp, st, SamplingParams.of(s), tmodule=tm, dmodule=dm, tree=big)
+            st = STEP(params, st, SamplingParams.of(s), spec=RoundSpec.of(target, draft, big))
     else:
         acc, st = calibrate(target, draft, st, big, rounds=calibration_rounds)
     greedy = SamplingParams.of(s)
     plain = _plain_step_ms(target, prompts, repeats, max_new)
     rows = []
     for n in sizes:
-        tree = TreeConfig(depth, top_k, n)
+        spec = RoundSpec.of(target, draft, TreeConfig(depth, top_k, n))
         row = dict(batch=batch, depth=depth, top_k=top_k, total_tokens=n, plain_step_ms=plain,
                    draft_ms=None, verify_ms=None, accept_ms=None)
         if parts == "all":  # each phase on the state the previous one leaves (fresh copies: they donate)
-            t, dcache = phases.DRAFT(tp, dp, fresh_copy(st), tm=tm, dm=dm, tree=tree)
-            v = phases.VERIFY(tp, fresh_copy(st), t, tm=tm, dm=dm)
-            row.update(draft_ms=_best(lambda s_: phases.DRAFT(tp, dp, s_, tm=tm, dm=dm, tree=tree),
+            t, dcache = phases.DRAFT(params, fresh_copy(st), spec=spec)
+            v = phases.VERIFY(params, fresh_copy(st), t, spec=spec.prefill())
+            row.update(draft_ms=_best(lambda s_: phases.DRAFT(params, s_, spec=spec),
                                       lambda: (fresh_copy(st),), repeats),
-                       verify_ms=_best(lambda s_: phases.VERIFY(tp, s_, t, tm=tm, dm=dm),
+                       verify_ms=_best(lambda s_: phases.VERIFY(params, s_, t, spec=spec.prefill()),
                                        lambda: (fresh_copy(st),), repeats),
-                       accept_ms=_best(lambda s_, v_, dc: phases.ACCEPT(tp, dp, s_, t, v_, dc, greedy, tm=tm, dm=dm,
-                                                                        tree=tree),
+                       accept_ms=_best(lambda s_, v_, dc: phases.ACCEPT(params, s_, t, v_, dc, greedy, spec=spec),
                                        lambda: fresh_copy((st, v, dcache)), repeats))
         first = []
-        row.update(round_ms=_best(lambda s_: phases.ROUND(tp, dp, s_, greedy, tm=tm, dm=dm, tree=tree),
+        row.update(round_ms=_best(lambda s_: phases.ROUND(params, s_, greedy, spec=spec),
                                   lambda: (fresh_copy(st),), repeats, first),
                    expected_tau=acc.measured_tau(n), estimated_tau=acc.estimated_tau(n))
         row["round_compile_s"] = first[0]  # the round program's first call: compile + one run

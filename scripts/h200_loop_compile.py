@@ -27,6 +27,7 @@ from eagle2_jax.config import SamplingConfig
 from eagle2_jax.models.draft import with_draft_vocab
 from eagle2_jax.loading.registry import random_config
 from eagle2_jax.decoding.sampling import SamplingParams
+from eagle2_jax.decoding.spec import RoundSpec, params_of
 from infer.analytic import placement
 from infer.analytic.traffic import hbm_traffic
 from infer.compile_report import count_instructions
@@ -52,15 +53,17 @@ for L in map(int, a.layers.split(",")):
     if a.layout == "list":
         target = layer_list.per_layer(target)
     draft = layer_list.draft_like(draft, target)
-    tm, dm, tp, dp = target.module, draft.module, target.params, draft.params
+    params, plain_params = params_of(target, draft), params_of(target)
+    spec, plain_spec = RoundSpec.of(target, draft, tree), RoundSpec.of(target)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config.vocab_size, 64).tolist()]
     _, args, static = vanilla.program_inputs(target, prompts, 256, None, 0, SamplingConfig())
     pst = vanilla.PREFILL._jit.lower(*args, **static).out_info
-    _, args, static = eagle.program_inputs(target, draft, prompts, 256, None, 0, SamplingConfig(), tree)
+    _, args, static = eagle.program_inputs(target, draft, prompts, 256, None, 0, SamplingConfig(),
+                                           eagle.scratch_slots(tree))
     est = eagle.PREFILL._jit.lower(*args, **static).out_info
-    progs = {"step": lambda: vanilla.LOOP._jit.lower(*place((tp, pst, greedy)), module=tm),
-             "round": lambda: eagle.LOOP._jit.lower(*place((tp, dp, est, greedy)), tmodule=tm, dmodule=dm, tree=tree)}
+    progs = {"step": lambda: vanilla.LOOP._jit.lower(*place((plain_params, pst, greedy)), spec=plain_spec),
+             "round": lambda: eagle.LOOP._jit.lower(*place((params, est, greedy)), spec=spec)}
     for name in a.programs.split(","):
         t0 = time.perf_counter()
         lo = progs[name]()

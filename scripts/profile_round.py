@@ -120,23 +120,25 @@ def main(argv=None):
     from eagle2_jax.config import SamplingConfig, TreeConfig
     from eagle2_jax.decoding.eagle import STEP, STREAM_STEP, start
     from eagle2_jax.decoding.sampling import SamplingParams
+    from eagle2_jax.decoding.spec import RoundSpec, params_of
     from eagle2_jax.decoding import vanilla
     from infer.roundcost import load_prompts
 
     target = load_target("smollm2-135m-instruct")
     draft = load_draft("smollm2-135m-instruct", target)
-    tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
+    params, plain_params = params_of(target, draft), params_of(target)
     tree, s, max_new = TreeConfig(args.depth, args.top_k, args.total_tokens), SamplingConfig(), 256
     prompts = load_prompts(target, None, args.batch)
     st, _ = start(target, draft, prompts, max_new_tokens=max_new, tree=tree, sampling=s)
+    spec, plain_spec = RoundSpec.of(target, draft, tree), RoundSpec.of(target)
     for _ in range(8):
-        st = STEP(tp, dp, st, SamplingParams.of(s), tmodule=tm, dmodule=dm, tree=tree)
-    eagle_static = dict(tmodule=tm, dmodule=dm, tree=tree)
-    eagle = lambda x: STREAM_STEP(tp, dp, x, SamplingParams.of(s), **eagle_static)  # noqa: E731
-    eagle_hlo = lambda: STREAM_STEP.compile(tp, dp, st, SamplingParams.of(s), **eagle_static).as_text()  # noqa: E731
+        st = STEP(params, st, SamplingParams.of(s), spec=spec)
+    eagle = lambda x: STREAM_STEP(params, x, SamplingParams.of(s), spec=spec)  # noqa: E731
+    eagle_hlo = lambda: STREAM_STEP.compile(params, st, SamplingParams.of(s), spec=spec).as_text()  # noqa: E731
     pst, _ = vanilla.start(target, prompts, max_new_tokens=max_new, sampling=s)
-    plain = lambda x: vanilla.STREAM_STEP(tp, x, SamplingParams.of(s), module=tm)  # noqa: E731
-    plain_hlo = lambda: vanilla.STREAM_STEP.compile(tp, pst, SamplingParams.of(s), module=tm).as_text()  # noqa: E731
+    plain = lambda x: vanilla.STREAM_STEP(plain_params, x, SamplingParams.of(s), spec=plain_spec)  # noqa: E731
+    plain_hlo = lambda: vanilla.STREAM_STEP.compile(plain_params, pst, SamplingParams.of(s),  # noqa: E731
+                                                    spec=plain_spec).as_text()
     for name, fn, state, hlo in (("eagle round", eagle, st, eagle_hlo), ("plain step", plain, pst, plain_hlo)):
         jax.block_until_ready(fn(fresh_copy(state)))  # compile + warm
         copies = [fresh_copy(state) for _ in range(args.steps)]

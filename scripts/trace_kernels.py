@@ -74,6 +74,7 @@ def main(argv=None):
     from eagle2_jax.decoding.autotune import fresh_copy
     from eagle2_jax.config import SamplingConfig, TreeConfig
     from eagle2_jax.decoding.sampling import SamplingParams
+    from eagle2_jax.decoding.spec import RoundSpec, params_of
     from infer import phases
 
     target = e2.load_target(a.model, dtype=a.dtype)
@@ -83,11 +84,12 @@ def main(argv=None):
     prompts = [rng.integers(3, V, a.prompt_len).tolist() for _ in range(a.batch)]
     tree, s = TreeConfig(a.depth, a.top_k, a.total_tokens), SamplingConfig()
     greedy = SamplingParams.of(s)
-    tp, dp, tm, dm = target.params, draft.params, target.module, draft.module
+    params, plain_params = params_of(target, draft), params_of(target)
+    spec, plain_spec = RoundSpec.of(target, draft, tree), RoundSpec.of(target)
     programs = {
-        "step": (lambda st: vanilla.STREAM_STEP(tp, st, greedy, module=tm),
+        "step": (lambda st: vanilla.STREAM_STEP(plain_params, st, greedy, spec=plain_spec),
                  vanilla.start(target, prompts, max_new_tokens=a.max_new_tokens, sampling=s)[0]),
-        "round": (lambda st: phases.ROUND(tp, dp, st, greedy, tm=tm, dm=dm, tree=tree),
+        "round": (lambda st: phases.ROUND(params, st, greedy, spec=spec),
                   eagle.start(target, draft, prompts, max_new_tokens=a.max_new_tokens, tree=tree, sampling=s)[0]),
     }
     os.makedirs(a.out, exist_ok=True)

@@ -30,20 +30,21 @@ def test_calibration_reads_off_what_every_smaller_tree_accepts():
     from eagle2_jax.config import SamplingConfig
     from eagle2_jax.decoding.eagle import STEP, start
     from eagle2_jax.decoding.sampling import SamplingParams
+    from eagle2_jax.decoding.spec import RoundSpec, params_of
     t, d, _ = permutation_oracle(0, layer_scale=1.5)  # partly predictable: acceptance varies with n
     big, sizes = TreeConfig(3, 3, 20), (2, 3, 4, 8, 20)
     s = SamplingConfig()
-    mods = dict(tmodule=t.module, dmodule=d.module)
+    params = params_of(t, d)
     st, _ = start(t, d, [[1, 2, 3], [4, 5], [7, 8, 9, 10], [11]], max_new_tokens=32, tree=big, sampling=s)
     seen = set()
     for _ in range(3):
-        ranks, _, act = (np.asarray(x) for x in ACCEPT_RANKS(t.params, d.params, st, tree=big, **mods))
+        ranks, _, act = (np.asarray(x) for x in ACCEPT_RANKS(params, st, spec=RoundSpec.of(t, d, big)))
         rows, r0 = np.arange(len(act)), np.asarray(st.rounds_B)
         for n in sizes:
-            real = STEP(t.params, d.params, st, SamplingParams.of(s), tree=TreeConfig(3, 3, n), **mods)
+            real = STEP(params, st, SamplingParams.of(s), spec=RoundSpec.of(t, d, TreeConfig(3, 3, n)))
             got = np.asarray(real.accept_BR)[rows, r0]
             want = 1 + (ranks < n - 1).sum(axis=1)
             assert np.array_equal(got[act], want[act]), (n, got, want)
             seen.update(want[act].tolist())
-        st = STEP(t.params, d.params, st, SamplingParams.of(s), tree=big, **mods)
+        st = STEP(params, st, SamplingParams.of(s), spec=RoundSpec.of(t, d, big))
     assert len(seen) >= 3  # the check covered different acceptance lengths

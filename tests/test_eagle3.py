@@ -16,6 +16,7 @@ from eagle2_jax.models.target import target_apply
 from eagle2_jax.models.layers import causal_mask
 from eagle2_jax.models.layer_list import per_layer
 from eagle2_jax.models.ops import XLA
+from eagle2_jax.decoding.spec import RoundSpec, params_of
 from eagle2_jax.decoding.tree import expand
 
 H, I, NH, NKV, V, VD = 32, 64, 4, 2, 64, 40
@@ -156,8 +157,10 @@ def test_drafted_tree_matches_numpy_reference(tmp_path, accel):
     root = 21
     dtok = prompt[1:] + [root]  # pairs (feature j, token j+1), the root last
     dcache = init_cache(1, 1, 64, NKV, HD, jnp.float32)
-    hidden, dcache = draft_catch_up(tm, tp, dm, dp, dcache, jnp.asarray([dtok]), aux, jnp.asarray([P]))
-    pool, _ = expand(tm, tp, dm, dp, dcache, hidden, e2.TreeConfig(depth=1, top_k=K, total_tokens=K + K * K + 1))
+    spec = RoundSpec.of(target, draft, e2.TreeConfig(depth=1, top_k=K, total_tokens=K + K * K + 1))
+    params = params_of(target, draft)
+    hidden, dcache = draft_catch_up(spec, params, dcache, jnp.asarray([dtok]), aux, jnp.asarray([P]))
+    pool, _ = expand(spec, params, dcache, hidden)
     # reference: catch-up
     emb = np.asarray(tp["embed"])
     f = np.asarray(aux[0]) @ sd["fc.weight"].T

@@ -145,20 +145,22 @@ def test_the_draft_catch_up_attends_within_the_window(form):
     """A head for a sliding-window target attends within the same window: changing a pair more than
     W - 1 positions before the last one leaves the last hidden state as it was; one inside changes it."""
     from eagle2_jax.decoding.eagle import draft_catch_up
+    from eagle2_jax.decoding.spec import RoundSpec, params_of
     t = _forms()[form](gemma3_target())
     d = e2.init_draft(t, 1)
     if form != "default":
         d = dataclasses.replace(d, ops=t.ops)
     assert d.config.sliding_window == W and d.config.windowed
     T = 20
+    spec, params = RoundSpec.of(t, d), params_of(t, d)
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 64, (1, T)).astype(np.int32)
     feats = rng.standard_normal((1, T, t.config.hidden_size)).astype(np.float32)
 
     def last_hidden(toks, feats):
         cache = init_cache(1, 1, 32, d.config.num_key_value_heads, d.config.head_dim, jnp.float32)
-        h, _ = draft_catch_up(t.module, t.params, d.module, d.params, cache, jnp.asarray(toks), jnp.asarray(feats),
-                              jnp.asarray([T]), fresh=True)
+        h, _ = draft_catch_up(spec, params, cache, jnp.asarray(toks), jnp.asarray(feats), jnp.asarray([T]),
+                              fresh=True)
         return np.asarray(h)
     base = last_hidden(toks, feats)
     far, near = feats.copy(), feats.copy()
@@ -168,8 +170,8 @@ def test_the_draft_catch_up_attends_within_the_window(form):
     assert np.abs(last_hidden(toks, near) - base).max() > 1e-4
     # the same pairs in two calls (the second reads the first's committed keys through the window)
     cache = init_cache(1, 1, 32, d.config.num_key_value_heads, d.config.head_dim, jnp.float32)
-    _, cache = draft_catch_up(t.module, t.params, d.module, d.params, cache, jnp.asarray(toks[:, :12]),
-                              jnp.asarray(feats[:, :12]), jnp.asarray([12]), fresh=True)
-    h, _ = draft_catch_up(t.module, t.params, d.module, d.params, cache, jnp.asarray(toks[:, 12:]),
-                          jnp.asarray(feats[:, 12:]), jnp.asarray([T - 12]))
+    _, cache = draft_catch_up(spec, params, cache, jnp.asarray(toks[:, :12]), jnp.asarray(feats[:, :12]),
+                              jnp.asarray([12]), fresh=True)
+    h, _ = draft_catch_up(spec, params, cache, jnp.asarray(toks[:, 12:]), jnp.asarray(feats[:, 12:]),
+                          jnp.asarray([T - 12]))
     np.testing.assert_allclose(np.asarray(h), base, atol=2e-5)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import eagle2_jax as e2
-from eagle2_jax.decoding.eagle import PREFILL, program_inputs
+from eagle2_jax.decoding.eagle import PREFILL, program_inputs, scratch_slots
 from eagle2_jax.decoding.sampling import SamplingParams
+from eagle2_jax.decoding.spec import RoundSpec
 from eagle2_jax.serving import Engine
 from eagle2_jax.serving.slots import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
 from helpers import permutation_oracle, tiny_config
@@ -186,11 +187,11 @@ def test_engine_rounds_sample_each_row_from_its_own_settings(tree):
     counts = np.zeros((len(settings), V ** 3), np.int64)
     greedy = e2.generate_vanilla(t, [PROMPT], max_new_tokens=3).tokens[0]
     for call in range(4):
-        _, args, static = program_inputs(t, d, [PROMPT] * R, 3, None, 100 + call, s, tree or TREE, cache_len=64)
+        _, args, static = program_inputs(t, d, [PROMPT] * R, 3, None, 100 + call, s, scratch_slots(tree or TREE),
+                                         cache_len=64)
         st = PREFILL(*args, **static)
         for _ in range(3):  # each call returns once some row finishes
-            st = ROUNDS(t.params, d.params, st, s, np.int32(10), tmodule=t.module, dmodule=d.module, tree=tree,
-                        catch_up=True)
+            st = ROUNDS(args[0], st, s, np.int32(10), spec=RoundSpec.of(t, d, tree))
         toks = np.asarray(st.out_BM)[:, :3]
         assert (np.asarray(st.n_out_B) == 3).all()
         np.add.at(counts, (group, toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]), 1)

@@ -115,6 +115,7 @@ def test_skipped_draft_passes_leave_the_tree_unchanged():
     """With N - 2 < depth the later draft passes cannot contribute a kept node: expanding only
     TreeConfig.passes levels gives the tree that the full-depth pool gives."""
     from eagle2_jax.models.cache import init_cache
+    from eagle2_jax.decoding.spec import RoundSpec, params_of
     from eagle2_jax.decoding.tree import expand
     from helpers import tiny_pair
     t, d = tiny_pair(3)
@@ -126,13 +127,14 @@ def test_skipped_draft_passes_leave_the_tree_unchanged():
     hidden = jax.random.normal(jax.random.PRNGKey(0), (B, c.hidden_size))
     roots = jnp.asarray([1, 2, 3, 4], jnp.int32)
     full_cfg = TreeConfig(D, K, 1 + K + D * K * K)
-    expand_jit, rerank_jit = jax.jit(expand, static_argnums=(0, 2, 6)), jax.jit(rerank, static_argnums=2)
-    full_pool, _ = expand_jit(t.module, t.params, d.module, d.params, dcache, hidden, full_cfg)
+    expand_jit, rerank_jit = jax.jit(expand, static_argnums=0), jax.jit(rerank, static_argnums=2)
+    params = params_of(t, d)
+    full_pool, _ = expand_jit(RoundSpec.of(t, d, full_cfg), params, dcache, hidden)
     deepest = 0
     for N in (1, 2, 3, 4, 5, 6):
         cfg = TreeConfig(D, K, N)
         assert cfg.passes == max(0, min(D, N - 2))
-        pool, _ = expand_jit(t.module, t.params, d.module, d.params, dcache, hidden, cfg)
+        pool, _ = expand_jit(RoundSpec.of(t, d, cfg), params, dcache, hidden)
         assert pool.tokens_BQ.shape[1] == K + cfg.passes * K * K
         short, ref = rerank_jit(pool, roots, cfg), rerank_jit(full_pool, roots, cfg)
         for a, b in zip((short.tokens_BN, short.parents_BN, short.depths_BN, short.ancestors_BNN),

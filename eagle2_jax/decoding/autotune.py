@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import SamplingConfig, TreeConfig
+from ..models.target import target_apply, target_logits
 from .defaults import REFERENCE_TREE, for_batch, head_tree
 from .eagle import STEP, STREAM_STEP, start
-from ..models.target import target_apply, target_logits
 from .programs import Program
 from .sampling import SamplingParams
+from .spec import RoundSpec, params_of
 from .tree import expand, rerank
 from .verify import accept_greedy
 
@@ -38,8 +39,8 @@ class TreeChoice:
     #   round_ms, tokens_per_s)
 
 
-def _accept_ranks(tparams, dparams, st, *, tmodule, dmodule, tree):
-    """One greedy verification of `tree`, read for every smaller tree of the same depth and top_k.
+def _accept_ranks(params, st, *, spec: RoundSpec):
+    """One greedy verification of spec.tree, read for every smaller tree of the same depth and top_k.
 
     A candidate never outscores its parent and score ties go to the lower pool index (the parent),
     so the top-(n-1) selections for n <= N are nested and ancestor-closed, and the pool of a
@@ -50,8 +51,9 @@ def _accept_ranks(tparams, dparams, st, *, tmodule, dmodule, tree):
     Returns ranks_BC (score rank of the accepted path's drafted nodes in depth order, C = max_accept;
     the root and the entries past the path hold N), scores_BJ (the J = N-1 best cumulative
     log-probs, descending) and active_B (rows still generating)."""
+    tree = spec.tree
     N = tree.total_tokens
-    pool, _ = expand(tmodule, tparams, dmodule, dparams, st.dcache, st.hidden_BD, tree)
+    pool, _ = expand(spec, params, st.dcache, st.hidden_BD)
     scores, top = jax.lax.top_k(pool.scores_BQ, N - 1)  # score order, as rerank ranks them
     B, Q = pool.scores_BQ.shape
     rank_of = jax.vmap(lambda t: jnp.full((Q,), N, jnp.int32).at[t].set(jnp.arange(N - 1, dtype=jnp.int32)))(top)
@@ -59,14 +61,14 @@ def _accept_ranks(tparams, dparams, st, *, tmodule, dmodule, tree):
     node_rank = jnp.concatenate([jnp.full((B, 1), N, jnp.int32),
                                  jnp.take_along_axis(rank_of, jnp.sort(top, axis=1), axis=1)], axis=1)
     pos = st.tcache.length[:, None] + t.depths_BN
-    feats, _ = target_apply(tmodule, tparams, t.tokens_BN, pos, st.tcache, t.ancestors_BNN)
-    path, n_acc, _ = accept_greedy(t, target_logits(tmodule, tparams, feats), tree.max_accept)
+    feats, _ = target_apply(spec.target, params["target"], t.tokens_BN, pos, st.tcache, t.ancestors_BNN)
+    path, n_acc, _ = accept_greedy(t, target_logits(spec.target, params["target"], feats), tree.max_accept)
     d = jnp.arange(path.shape[1])[None]
     ranks = jnp.where((d >= 1) & (d < n_acc[:, None]), jnp.take_along_axis(node_rank, path, axis=1), N)
     return ranks, scores, ~st.done_B
 
 
-ACCEPT_RANKS = Program(_accept_ranks, ("tmodule", "dmodule", "tree"))
+ACCEPT_RANKS = Program(_accept_ranks, ("spec",))
 
 
 @dataclasses.dataclass
@@ -87,14 +89,13 @@ class Acceptance:
 def calibrate(target, draft, st, tree: TreeConfig, rounds: int):
     """Walk `rounds` real greedy rounds of `tree` from state `st`, measuring acceptance for every
     smaller size on the way. Returns (Acceptance, the state after the walk)."""
-    dyn = (target.params, draft.params)
-    mods = dict(tmodule=target.module, dmodule=draft.module)
+    params, spec = params_of(target, draft), RoundSpec.of(target, draft, tree)
     ranks, scores = [], []
     for _ in range(rounds):
-        r, s, active = (np.asarray(x) for x in ACCEPT_RANKS(*dyn, st, tree=tree, **mods))
+        r, s, active = (np.asarray(x) for x in ACCEPT_RANKS(params, st, spec=spec))
         ranks.append(r[active])
         scores.append(s[active])
-        st = STEP(*dyn, st, SamplingParams.of(SamplingConfig()), tree=tree, **mods)
+        st = STEP(params, st, SamplingParams.of(SamplingConfig()), spec=spec)
     return Acceptance(np.concatenate(ranks), np.concatenate(scores)), st
 
 
@@ -127,17 +128,16 @@ def choose_tree(target, draft, prompts, *, depth: int = 5, top_k: int = 10, cand
     big = TreeConfig(depth, top_k, cands[-1])
     sampling = SamplingConfig()
     st, b = start(target, draft, prompts, max_new_tokens=max_new_tokens, tree=big, sampling=sampling)
-    dyn = (target.params, draft.params)
-    mods = dict(tmodule=target.module, dmodule=draft.module)
+    params = params_of(target, draft)
     acc, st = calibrate(target, draft, st, big, calibration_rounds)
     if len(acc.ranks) == 0:
         raise ValueError("choose_tree: every prompt finished before calibration; give longer prompts or a "
                          "larger max_new_tokens")
     table = []
     for n in cands:
-        tree = TreeConfig(depth, top_k, n)
+        spec = RoundSpec.of(target, draft, TreeConfig(depth, top_k, n))
         tau = acc.measured_tau(n)
-        step = lambda s: STREAM_STEP(*dyn, s, SamplingParams.of(sampling), tree=tree, **mods)  # noqa: E731
+        step = lambda s: STREAM_STEP(params, s, SamplingParams.of(sampling), spec=spec)  # noqa: E731
         step(fresh_copy(st))  # compile outside the timing
         cost = best_time(step, lambda: (fresh_copy(st),))
         table.append(dict(total_tokens=n, expected_tau=tau, estimated_tau=acc.estimated_tau(n),

@@ -6,12 +6,15 @@ One round (`eagle_round`) is three public phases over fixed shapes:
   accept_and_commit  accept (greedy or lossless sampling), compact (the accepted path's target KV
                      after the committed prefix), emit, catch-up (the draft consumes the accepted
                      tokens with their target features; the draft KV of tree nodes is never committed)
+A spec without a tree runs a plain round (`plain_round`): the root alone is verified.
 Timing tools (infer.roundcost, infer.analytic) compile these same functions.
 
-Programs: PREFILL (the prompt into both caches and the first token) per (batch bucket, prompt
-bucket, cache bucket); LOOP (a `lax.while_loop` of rounds on device) per (batch bucket, cache
-bucket, tree, greedy or sampling). Prompt length and max_new_tokens are arrays in the state,
-temperature / top-k / top-p traced values (sampling.SamplingParams).
+Every function takes the round's spec (spec.RoundSpec: the networks, the tree) and the weights in one
+pytree ({"target": ..., "draft": ...}). Programs (programs.decoder): PREFILL (the prompt into both
+caches and the first token) per (batch bucket, prompt bucket, cache bucket); LOOP (a `lax.while_loop`
+of rounds on device), STEP and STREAM_STEP per (batch bucket, cache bucket, spec, greedy or sampling).
+Prompt length and max_new_tokens are arrays in the state, temperature / top-k / top-p traced values
+(sampling.SamplingParams).
 """
 from __future__ import annotations
 
@@ -19,77 +22,65 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from .batching import eos_value, prepare_batch
-from ..models.cache import KVCache, advance, compact, init_cache
 from ..config import SamplingConfig, TreeConfig
-from ..models.draft import Draft, EagleDraft, draft_apply
+from ..models.cache import KVCache, advance, compact, init_cache
+from ..models.draft import Draft, draft_apply
 from ..models.layers import causal_mask
-from ..models.target import Llama, Target, target_apply, target_embed, target_logits
-from .outputs import emit
-from .sampling import SamplingParams, row_keys, sample_rows, step_keys
+from ..models.target import Target, target_apply, target_embed, target_logits
 from ..sharding import batch_multiple, constrain_cache
+from .batching import prepare_batch
+from .outputs import emit
+from .prefill import Rows, first_token, prefill, prefill_args
+from .programs import decoder
+from .sampling import SamplingParams, step_keys
+from .spec import RoundSpec, params_of
 from .tree import Tree, expand, rerank
-from .programs import Program
-from .vanilla import device_inputs, prefill
 from .verify import accept_greedy, accept_sampling
 
 
 @struct.dataclass
-class EagleState:
+class EagleState(Rows):
     tcache: KVCache  # target cache (committed tokens)
     dcache: KVCache  # draft cache, same committed length as the target's
     root_B: jax.Array  # last emitted token: the next tree's root (in the draft cache, not the target's)
     hidden_BD: jax.Array  # draft hidden state at the last committed position
-    out_BM: jax.Array
-    n_out_B: jax.Array
-    done_B: jax.Array
-    max_new_B: jax.Array
-    keys_B: jax.Array
     accept_BR: jax.Array  # tokens added per round (bonus included)
     rounds_B: jax.Array
-    step: jax.Array
-    eos: jax.Array
 
 
-def draft_catch_up(tmodule, tparams, dmodule, dparams, dcache: KVCache, tokens_BC, features_BCD, n_B,
-                   fresh: bool = False):
+def draft_catch_up(spec: RoundSpec, params, dcache: KVCache, tokens_BC, features_BCD, n_B, fresh: bool = False):
     """Draft forward over C (token, preceding target feature) pairs; commits n_B of them (`fresh`:
     the draft cache is empty, as after the prompt's prefill).
 
     Returns (hidden at the last committed pair [B, D], new draft cache).
     """
     B, C = tokens_BC.shape
-    emb = target_embed(tmodule, tparams, tokens_BC)
+    emb = target_embed(spec.target, params["target"], tokens_BC)
     pos = dcache.length[:, None] + jnp.arange(C, dtype=jnp.int32)[None]
-    h, dcache = draft_apply(dmodule, dparams, emb, features_BCD, pos, dcache, causal_mask(B, C), fresh=fresh)
+    h, dcache = draft_apply(spec.draft, params["draft"], emb, features_BCD, pos, dcache, causal_mask(B, C),
+                            fresh=fresh)
     last = jnp.take_along_axis(h, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1, mode="promise_in_bounds")[:, 0]
     return last, advance(dcache, n_B)
 
 
-def init_state(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, prompt_BP, prompt_len_B,
-               active_B, max_new, eos, seed, *, cache_len, out_len, sampling, tree, mesh=None):
+def init_state(spec: RoundSpec, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, *, cache_len,
+               out_len, sampling, mesh=None) -> EagleState:
     B, P = prompt_BP.shape
-    feats, tcache, logits_BV = prefill(tmodule, tparams, prompt_BP, prompt_len_B, cache_len, mesh,
-                                       aux_layers=dmodule.aux_layers)
-    keys = row_keys(jax.random.PRNGKey(seed), B)
-    root = sample_rows(step_keys(keys, 0), logits_BV, sampling)
+    feats, tcache, logits_BV = prefill(spec.target, params["target"], prompt_BP, prompt_len_B, cache_len, mesh,
+                                       aux_layers=spec.draft.aux_layers)
+    root, rows = first_token(logits_BV, active_B, max_new, eos, seed, sampling, out_len)
     # draft pairs (f_j, t_{j+1}) for j < len: prompt shifted left, the root in the last slot
     j = jnp.arange(P)[None]
     shifted = jnp.concatenate([prompt_BP[:, 1:], jnp.zeros((B, 1), prompt_BP.dtype)], axis=1)
     dtok = jnp.where(j == (prompt_len_B - 1)[:, None], root[:, None], shifted)
-    c = dmodule.config
-    dcache = constrain_cache(init_cache(1, B, cache_len, c.num_key_value_heads, c.head_dim, dmodule.dtype), mesh)
-    hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, dtok, feats, prompt_len_B, fresh=True)
-    max_new_B = jnp.where(active_B, max_new, 0).astype(jnp.int32)
-    out = jnp.zeros((B, out_len), jnp.int32)
-    out, n_out, done, _ = emit(out, jnp.zeros((B,), jnp.int32), ~active_B, root[:, None],
-                               jnp.ones((B,), jnp.int32), max_new_B, eos)
+    c = spec.draft.config
+    dcache = constrain_cache(init_cache(1, B, cache_len, c.num_key_value_heads, c.head_dim, spec.draft.dtype), mesh)
+    hidden, dcache = draft_catch_up(spec, params, dcache, dtok, feats, prompt_len_B, fresh=True)
     rounds_cap = out_len  # every round adds at least one token
-    return EagleState(tcache, dcache, root, hidden, out, n_out, done, max_new_B, keys,
-                      jnp.zeros((B, rounds_cap), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.int32(1), eos)
+    return EagleState(**vars(rows), tcache=tcache, dcache=dcache, root_B=root, hidden_BD=hidden,
+                      accept_BR=jnp.zeros((B, rounds_cap), jnp.int32), rounds_B=jnp.zeros((B,), jnp.int32))
 
 
 @struct.dataclass
@@ -100,25 +91,25 @@ class Verified:
     tcache: KVCache  # the target cache with the tree's keys/values written after the committed prefix
 
 
-def draft_tree(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState, tree: TreeConfig):
+def draft_tree(spec: RoundSpec, params, st: EagleState):
     """Phase 1, draft: expand the candidate pool from the draft's hidden state, rerank it into the
     N-node tree under the root. Returns (Tree, draft cache with the tree nodes' scratch entries)."""
-    pool, dcache = expand(tmodule, tparams, dmodule, dparams, st.dcache, st.hidden_BD, tree)
-    return rerank(pool, st.root_B, tree), dcache
+    pool, dcache = expand(spec, params, st.dcache, st.hidden_BD)
+    return rerank(pool, st.root_B, spec.tree), dcache
 
 
-def verify_tree(tmodule: Llama, tparams, dmodule: EagleDraft, st: EagleState, t: Tree) -> Verified:
+def verify_tree(spec: RoundSpec, params, st: EagleState, t: Tree) -> Verified:
     """Phase 2, verify: one target forward over the N tree tokens, positions by depth, attention over
     the committed prefix and the ancestor mask."""
     pos = st.tcache.length[:, None] + t.depths_BN
-    out = target_apply(tmodule, tparams, t.tokens_BN, pos, st.tcache, t.ancestors_BNN, aux_layers=dmodule.aux_layers)
+    aux = spec.draft.aux_layers
+    out = target_apply(spec.target, params["target"], t.tokens_BN, pos, st.tcache, t.ancestors_BNN, aux_layers=aux)
     feats, tcache = out[:2]
-    return Verified(target_logits(tmodule, tparams, feats), out[2] if dmodule.aux_layers else feats, tcache)
+    return Verified(target_logits(spec.target, params["target"], feats), out[2] if aux else feats, tcache)
 
 
-def accept_and_commit(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState, t: Tree,
-                      v: Verified, dcache: KVCache, sampling: SamplingParams, max_accept: int,
-                      catch_up: bool = True) -> EagleState:
+def accept_and_commit(spec: RoundSpec, params, st: EagleState, t: Tree, v: Verified, dcache: KVCache,
+                      sampling: SamplingParams, max_accept: int, catch_up: bool = True) -> EagleState:
     """Phase 3, accept and commit: the longest correct path (greedy or lossless sampling; at most
     `max_accept` tokens, a TreeConfig's), its target keys/values compacted after the committed
     prefix, its tokens and the bonus emitted, and the draft caught up on them (`catch_up` False: a
@@ -146,7 +137,7 @@ def accept_and_commit(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st:
     # catch-up: pairs (feature of path node d, token after it)
     if catch_up:
         path_feat = jnp.take_along_axis(v.features_BND, path[:, :, None], axis=1, mode="promise_in_bounds")
-        hidden, dcache = draft_catch_up(tmodule, tparams, dmodule, dparams, dcache, new_tok, path_feat, n_acc)
+        hidden, dcache = draft_catch_up(spec, params, dcache, new_tok, path_feat, n_acc)
     else:
         hidden = st.hidden_BD
     r = jnp.minimum(st.rounds_B, st.accept_BR.shape[1] - 1)
@@ -157,12 +148,13 @@ def accept_and_commit(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st:
                       accept_BR=accept, rounds_B=st.rounds_B + active.astype(jnp.int32), step=st.step + 1)
 
 
-def eagle_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState,
-                sampling: SamplingParams, tree: TreeConfig) -> EagleState:
-    """One EAGLE-2 round: draft, verify, accept and commit."""
-    t, dcache = draft_tree(tmodule, tparams, dmodule, dparams, st, tree)
-    v = verify_tree(tmodule, tparams, dmodule, st, t)
-    return accept_and_commit(tmodule, tparams, dmodule, dparams, st, t, v, dcache, sampling, tree.max_accept)
+def eagle_round(spec: RoundSpec, params, st: EagleState, sampling: SamplingParams) -> EagleState:
+    """One EAGLE-2 round: draft, verify, accept and commit (a spec without a tree: a plain round)."""
+    if spec.tree is None:
+        return plain_round(spec, params, st, sampling)
+    t, dcache = draft_tree(spec, params, st)
+    v = verify_tree(spec, params, st, t)
+    return accept_and_commit(spec, params, st, t, v, dcache, sampling, spec.tree.max_accept)
 
 
 def root_only(root_B: jax.Array) -> Tree:
@@ -172,64 +164,50 @@ def root_only(root_B: jax.Array) -> Tree:
                 jnp.zeros((B, 1), jnp.int32))
 
 
-def plain_round(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, st: EagleState, sampling: SamplingParams,
-                catch_up: bool = True) -> EagleState:
+def plain_round(spec: RoundSpec, params, st: EagleState, sampling: SamplingParams) -> EagleState:
     """One step of plain decoding on the EAGLE state (no drafting; every row adds one token, exactly
     plain decoding's): where no tree pays (a large batch), a server or generation takes these
-    rounds. With `catch_up` the draft consumes the token, so tree rounds can follow at any time."""
+    rounds. With spec.catch_up the draft consumes the token, so tree rounds can follow at any time."""
     t = root_only(st.root_B)
-    v = verify_tree(tmodule, tparams, dmodule, st, t)
-    return accept_and_commit(tmodule, tparams, dmodule, dparams, st, t, v, st.dcache, sampling, 1, catch_up)
+    v = verify_tree(spec, params, st, t)
+    return accept_and_commit(spec, params, st, t, v, st.dcache, sampling, 1, spec.catch_up)
 
 
-def scratch_slots(tree: TreeConfig) -> int:
+def scratch_slots(tree: Optional[TreeConfig]) -> int:
     """Cache slots needed past the committed length: the verified tree, the draft's tree nodes,
-    the catch-up pairs."""
+    the catch-up pairs (a plain round: those of the one-node tree)."""
+    tree = tree or TreeConfig(1, 1, 1)
     return max(tree.total_tokens, tree.top_k * tree.passes, tree.max_accept) + 1
 
 
-def _prefill(tparams, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, sampling, *, tmodule,
-             dmodule, cache_len, out_len, tree, mesh):
-    return init_state(tmodule, tparams, dmodule, dparams, prompt_BP, prompt_len_B, active_B, max_new, eos,
-                      seed, cache_len=cache_len, out_len=out_len, sampling=sampling, tree=tree, mesh=mesh)
+def _prefill(params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, sampling, *, spec, cache_len, out_len,
+             mesh):
+    return init_state(spec, params, prompt_BP, prompt_len_B, active_B, max_new, eos, seed, cache_len=cache_len,
+                      out_len=out_len, sampling=sampling, mesh=mesh)
 
 
-def _loop(tparams, dparams, st, sampling, *, tmodule, dmodule, tree):
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done_B),
-                              lambda s: eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), st)
+PREFILL, LOOP, STEP, STREAM_STEP = PROGRAMS = decoder(_prefill, eagle_round)
 
 
-def _step(tparams, dparams, st, sampling, *, tmodule, dmodule, tree):
-    return eagle_round(tmodule, tparams, dmodule, dparams, st, sampling, tree)
-
-
-PREFILL = Program(_prefill, ("tmodule", "dmodule", "cache_len", "out_len", "tree", "mesh"))
-LOOP = Program(_loop, ("tmodule", "dmodule", "tree"), donate=("st",), loop=True)
-STEP = Program(_step, ("tmodule", "dmodule", "tree"))
-# The streaming driver's step: it replaces the state every round, so the caches are updated in place
-# (STEP, which leaves its input intact for calibration walks that reuse it, copies every cache buffer;
-# timing tools run this one on fresh copies of the state).
-STREAM_STEP = Program(_step, ("tmodule", "dmodule", "tree"), donate=("st",))
-
-
-def program_inputs(target: Target, draft: Draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree,
-                   cache_len: Optional[int] = None):
+def program_inputs(target: Target, draft: Draft, prompts, max_new_tokens, eos_token_id, seed, sampling,
+                   slack: int, cache_len: Optional[int] = None):
     """The padded batch, the dynamic arguments and the static settings of PREFILL (LOOP takes its state);
+    `slack`: cache slots a round needs past the committed tokens (scratch_slots of its tree);
     `cache_len`: a fixed cache bucket (a serving engine's), else the prompts' own."""
     b = prepare_batch(prompts, max_new_tokens, vocab_size=target.config.vocab_size,
-                      max_positions=target.config.max_position_embeddings, slack=scratch_slots(tree),
+                      max_positions=target.config.max_position_embeddings, slack=slack,
                       batch_multiple=batch_multiple(target.mesh), cache_len=cache_len)
-    prompt, plen, active = device_inputs(target, b)
-    args = (target.params, draft.params, prompt, plen, active, np.int32(max_new_tokens),  # numpy: replicated
-            np.int32(eos_value(eos_token_id)), np.uint32(seed), SamplingParams.of(sampling))
-    static = dict(tmodule=target.module, dmodule=draft.module, cache_len=b.cache_len,
-                  out_len=b.cache_len, tree=tree, mesh=target.mesh)  # cache_len >= max_new + max_accept
+    args = prefill_args(target, params_of(target, draft), b, max_new_tokens, eos_token_id, seed, sampling)
+    static = dict(spec=RoundSpec.of(target, draft), cache_len=b.cache_len, out_len=b.cache_len,
+                  mesh=target.mesh)  # cache_len >= max_new + max_accept
     return b, args, static
 
 
 def start(target: Target, draft: Draft, prompts, *, max_new_tokens: int, tree: TreeConfig,
           sampling: SamplingConfig = SamplingConfig(), eos_token_id: Optional[int] = None, seed: int = 0):
     """(state after prefill and the first token, padded batch): for tools that step rounds themselves
-    (STEP / STREAM_STEP with `tree` or any smaller tree of the same depth and top_k)."""
-    b, args, static = program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
+    (STEP / STREAM_STEP with RoundSpec.of(target, draft, tree), or any smaller tree of the same depth
+    and top_k)."""
+    b, args, static = program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling,
+                                     scratch_slots(tree))
     return PREFILL(*args, **static), b

@@ -1,7 +1,7 @@
 """`generate`: EAGLE-2 speculative decoding of a batch of token-id prompts, the library's entry point.
 
 It checks the request, resolves the tree (autotune.resolve_tree), pads the batch and runs the
-round's programs (eagle.PREFILL, then eagle.LOOP on device, or eagle.STREAM_STEP from the host).
+round's programs (eagle.PREFILL, then eagle.LOOP on device, or eagle.STREAM_STEP from the host; programs.run).
 """
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from .autotune import resolve_tree
 from .batching import GenerateOutput
 from ..config import SamplingConfig, TreeConfig
 from ..models.draft import Draft, check_compatible
-from .eagle import LOOP, PREFILL, STREAM_STEP, program_inputs
+from .eagle import PROGRAMS, program_inputs, scratch_slots
 from ..models.target import Target, is_abstract
 from .programs import gpu_graph_options, run
+from .spec import RoundSpec
 from ..sharding import to_host
 from .vanilla import generate_vanilla
 
@@ -57,10 +58,10 @@ def generate(target: Target, draft: Draft, prompts, *, max_new_tokens: int, temp
         raise ValueError(f"tree top_k {tree.top_k} exceeds the draft head's vocabulary ({draft.proposal_vocab_size})")
     if (target.abstract or is_abstract(draft.params)) and not compile_only:
         raise ValueError("this target or draft has abstract params (shapes only): use compile_only=True")
-    b, args, static = program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling, tree)
-    st = run(PREFILL, LOOP, STREAM_STEP, args, static, (target.params, draft.params),
-             dict(tmodule=target.module, dmodule=draft.module, tree=tree), b.num_rows,
-             stream, timings, compile_only, gpu_graphs)
+    b, args, static = program_inputs(target, draft, prompts, max_new_tokens, eos_token_id, seed, sampling,
+                                     scratch_slots(tree))
+    st = run(PROGRAMS, args, static, RoundSpec.of(target, draft, tree), b.num_rows, stream, timings, compile_only,
+             gpu_graphs)
     if compile_only:
         return None
     out, n_out, acc, rounds = map(to_host, (st.out_BM, st.n_out_B, st.accept_BR, st.rounds_B))

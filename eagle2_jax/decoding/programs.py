@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -126,45 +126,70 @@ def enable_compile_cache(path: Optional[str] = None) -> Optional[str]:
     return path
 
 
-def run(prefill: Program, loop: Program, step: Program, args: tuple, static: dict, step_args: tuple,
-        step_static: dict, rows: int, stream=None, timings: Optional[dict] = None, compile_only: bool = False,
-        gpu_graphs: str = "body"):
-    """Prefill (`prefill(*args)`: the state after the prompt), then the whole decode on device
-    (`loop(*step_args, state, sampling)`), or stepped from the host when streaming (`step`).
+class Decoder(NamedTuple):
+    """A decoding method's programs: PREFILL (prompts into the state), LOOP (every round on device, a
+    `lax.while_loop` until each row is done; its input state donated), STEP (one round, its input kept:
+    calibration walks reuse it) and STREAM_STEP (one round, its input donated: a host-stepped stream
+    replaces the state every round, so the caches are updated in place)."""
+    PREFILL: Program
+    LOOP: Program
+    STEP: Program
+    STREAM_STEP: Program
 
-    The sampling values are args[-1]. `stream(row, tokens)` receives each row's new tokens as they
-    are produced; `gpu_graphs` is the decode loop's CUDA-graph mode on a GPU. Returns the final state. With compile_only, compiles prefill and loop for these
-    inputs (cached for the next call; the loop from the prefill's output shapes) and returns None.
+
+def decoder(prefill_fn: Callable, round_fn: Callable) -> Decoder:
+    """The programs of a decoding method from its prefill, `prefill_fn(params, *inputs, *, spec,
+    cache_len, out_len, mesh)`, and its round, `round_fn(spec, params, state, sampling)`."""
+    def loop(params, st, sampling, *, spec):
+        return jax.lax.while_loop(lambda s: ~jnp.all(s.done_B), lambda s: round_fn(spec, params, s, sampling), st)
+
+    def step(params, st, sampling, *, spec):
+        return round_fn(spec, params, st, sampling)
+    loop.__name__, step.__name__ = f"{round_fn.__name__}_loop", round_fn.__name__
+    return Decoder(Program(prefill_fn, ("spec", "cache_len", "out_len", "mesh")),
+                   Program(loop, ("spec",), donate=("st",), loop=True), Program(step, ("spec",)),
+                   Program(step, ("spec",), donate=("st",)))
+
+
+def run(programs: Decoder, args: tuple, static: dict, spec, rows: int, stream=None, timings: Optional[dict] = None,
+        compile_only: bool = False, gpu_graphs: str = "body"):
+    """Prefill (`PREFILL(*args, **static)`: the state after the prompt), then the whole decode on device
+    (`LOOP(params, state, sampling, spec=spec)`), or stepped from the host when streaming (STREAM_STEP).
+
+    The params are args[0], the sampling values args[-1]. `stream(row, tokens)` receives each row's new
+    tokens as they are produced; `gpu_graphs` is the decode loop's CUDA-graph mode on a GPU. Returns the
+    final state. With compile_only, compiles prefill and loop for these inputs (cached for the next call;
+    the loop from the prefill's output shapes) and returns None.
     """
-    sampling = args[-1]
+    params, sampling = args[0], args[-1]
     if compile_only:
         if stream is not None:
             raise ValueError("compile_only compiles the on-device loop; it cannot be combined with stream")
-        exe = prefill.compile(*args, timings=timings, **static)
-        loop.compile(*step_args, exe.out_info, sampling, timings=timings, gpu_graphs=gpu_graphs, **step_static)
+        exe = programs.PREFILL.compile(*args, timings=timings, **static)
+        programs.LOOP.compile(params, exe.out_info, sampling, timings=timings, gpu_graphs=gpu_graphs, spec=spec)
         return None
     t0 = time.perf_counter()
     compile_before = (timings or {}).get("compile_s", 0.0)
-    out = prefill(*args, timings=timings, **static)
+    out = programs.PREFILL(*args, timings=timings, **static)
     if stream is None:
-        out = loop(*step_args, out, sampling, timings=timings, gpu_graphs=gpu_graphs, **step_static)
+        out = programs.LOOP(params, out, sampling, timings=timings, gpu_graphs=gpu_graphs, spec=spec)
         jax.block_until_ready(out)
     else:
         seen = [0] * rows
         exe, exe_state_key = None, None
         while True:
-            # step_args (the weights) are the same objects every round, so the executable is looked up
-            # again only when the state's shapes or placement change (in practice once, after prefill):
-            # keying every weight leaf each round cost host time per round
+            # the params are the same objects every round, so the executable is looked up again only
+            # when the state's shapes or placement change (in practice once, after prefill): keying
+            # every weight leaf each round cost host time per round
             state_key = tuple(_leaf_key(x) for x in jax.tree_util.tree_leaves(out))
             if state_key != exe_state_key:
-                exe = step.compile(*step_args, out, sampling, timings=timings, **step_static)
+                exe = programs.STREAM_STEP.compile(params, out, sampling, timings=timings, spec=spec)
                 exe_state_key = state_key
             # dispatch the next round before reading this one's tokens: the device computes while the
             # host streams (the step consumes its input state, so the outputs are copied first; once
             # every row is done the round already dispatched changes nothing)
             snap = jax.tree_util.tree_map(jnp.copy, (out.out_BM, out.n_out_B, out.done_B))
-            out = exe(*step_args, out, sampling)
+            out = exe(params, out, sampling)
             _report(snap[0], snap[1], seen, stream)
             if bool(np.all(to_host(snap[2]))):
                 break

@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ..models.cache import KVCache
 from ..config import TreeConfig
-from ..models.draft import EagleDraft, draft_apply, draft_own_topk
-from ..models.target import Llama, target_embed, target_logits
+from ..models.cache import KVCache
+from ..models.draft import draft_apply, draft_own_topk
 from ..models.layers import top_log_probs
+from ..models.target import target_embed, target_logits
+from .spec import RoundSpec
 
 
 @struct.dataclass
@@ -43,7 +44,7 @@ def _take_rows(x_BW, idx_BJ):
     return jnp.sum(jnp.where(hit, x_BW[:, None], jnp.zeros((), x_BW.dtype)), axis=2, dtype=x_BW.dtype)
 
 
-def draft_topk(tmodule: Llama, tparams, dmodule, dparams, h, k: int):
+def draft_topk(spec: RoundSpec, params, h, k: int):
     """The draft's k best next tokens and their log-probs from hidden states h [..., D].
 
     With a `vocab_head` in the draft params (a frequent-token subset, FR-Spec style: `ids` [V'] and
@@ -51,26 +52,26 @@ def draft_topk(tmodule: Llama, tparams, dmodule, dparams, h, k: int):
     draft pass's LM head V/V' times cheaper; verification always uses the full vocabulary, so this
     changes which tokens are proposed, never what is accepted.
     """
-    if dmodule.aux_layers:  # EAGLE-3: the head's own norm, LM head and draft vocabulary
-        return draft_own_topk(dmodule, dparams, h, k)
+    dparams = params["draft"]
+    if spec.draft.aux_layers:  # EAGLE-3: the head's own norm, LM head and draft vocabulary
+        return draft_own_topk(spec.draft, dparams, h, k)
     vh = dparams.get("vocab_head") if isinstance(dparams, dict) else None
     if vh is None:
-        score, tok = top_log_probs(target_logits(tmodule, tparams, h), k)
+        score, tok = top_log_probs(target_logits(spec.target, params["target"], h), k)
         return score, tok.astype(jnp.int32)
-    score, idx = top_log_probs(tmodule.ops.vocab_logits(h, vh), k)
+    score, idx = top_log_probs(spec.target.ops.vocab_logits(h, vh), k)
     return score, jnp.take(vh["ids"], idx, mode="clip").astype(jnp.int32)
 
 
-def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCache,
-           hidden_BD: jax.Array, tree: TreeConfig):
-    """Grow the candidate pool from the draft's last hidden state (the root's prediction).
+def expand(spec: RoundSpec, params, dcache: KVCache, hidden_BD: jax.Array):
+    """Grow the candidate pool of spec.tree from the draft's last hidden state (the root's prediction).
 
     Tree nodes' draft keys/values go to the draft cache's scratch slots length + level*W + j and
     are never committed. Returns (Pool, draft cache).
     """
-    W, passes = tree.top_k, tree.passes
+    W, passes = spec.tree.top_k, spec.tree.passes
     B, D = hidden_BD.shape
-    score_BW, tok_BW = draft_topk(tmodule, tparams, dmodule, dparams, hidden_BD, W)
+    score_BW, tok_BW = draft_topk(spec, params, hidden_BD, W)
     pool_tok, pool_score = [tok_BW], [score_BW]
     pool_parent = [jnp.full((B, W), -1, jnp.int32)]
     frontier_idx = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))  # pool index
@@ -79,10 +80,10 @@ def expand(tmodule: Llama, tparams, dmodule: EagleDraft, dparams, dcache: KVCach
     anc_BWU = jnp.broadcast_to(jax.nn.one_hot(jnp.arange(W), slots, dtype=bool), (B, W, slots))
     base = W
     for level in range(passes):
-        emb = target_embed(tmodule, tparams, tok_BW)
+        emb = target_embed(spec.target, params["target"], tok_BW)
         pos = jnp.broadcast_to((dcache.length + level)[:, None], (B, W))
-        h_BWD, dcache = draft_apply(dmodule, dparams, emb, parent_h, pos, dcache, anc_BWU, offset=level * W)
-        child_score, child_tok = draft_topk(tmodule, tparams, dmodule, dparams, h_BWD, W)  # [B, W, W]
+        h_BWD, dcache = draft_apply(spec.draft, params["draft"], emb, parent_h, pos, dcache, anc_BWU, offset=level * W)
+        child_score, child_tok = draft_topk(spec, params, h_BWD, W)  # [B, W, W]
         cand = (score_BW[:, :, None] + child_score).reshape(B, W * W)
         cand_tok = child_tok.reshape(B, W * W).astype(jnp.int32)
         pool_tok.append(cand_tok)

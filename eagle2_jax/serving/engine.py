@@ -41,19 +41,19 @@ from ..config import SamplingConfig, TreeConfig
 from ..models.draft import Draft, check_compatible
 from ..decoding.defaults import for_batch
 from ..decoding.eagle import PREFILL, program_inputs, scratch_slots
+from ..decoding.spec import RoundSpec, params_of
 from ..models.target import Target
 from ..decoding.sampling import SamplingParams
 from ..sharding import batch_multiple, to_host
 from .slots import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
 
 MODES = ("eagle", "vanilla")
-PLAIN_SLACK = TreeConfig(1, 1, 1)  # a plain round's scratch: the root and the commit
 
 
 def engine_cache_len(max_len: int, trees) -> int:
     """The one cache bucket of an engine whose requests fit max_len (prompt + max_tokens) and the
     scratch slots of a round of any of `trees` (None: a plain round)."""
-    scratch = max(scratch_slots(t or PLAIN_SLACK) for t in trees)
+    scratch = max(scratch_slots(t) for t in trees)
     return cache_bucket(max(max_len + scratch, MIN_PROMPT_BUCKET))
 
 
@@ -127,8 +127,8 @@ class Engine:
         self.eos, self.max_len, self.k, self.seed = eos_token_id, max_len, rounds_per_dispatch, seed
         self.modes = (True, False) if sampling else (True,)  # greedy program, sampling program
         self.cache_len = engine_cache_len(max_len, self.plan.values())
-        trees = [t for t in self.plan.values() if t is not None]
-        self._prefill_tree = max(trees, key=scratch_slots) if trees else PLAIN_SLACK  # a compile key only
+        self.params = params_of(target, draft)
+        self._slack = max(scratch_slots(t) for t in self.plan.values())  # checked against the cache bucket
         self.queue: collections.deque = collections.deque()
         self.running: dict = {}  # slot -> Request
         self._ids = itertools.count()
@@ -320,7 +320,7 @@ class Engine:
 
     def _prefill_args(self, prompts, max_new: int, seed: int, sampling: SamplingConfig):
         _, args, static = program_inputs(self.target, self.draft, prompts, max_new, self.eos, seed, sampling,
-                                         self._prefill_tree, cache_len=self.cache_len)
+                                         self._slack, cache_len=self.cache_len)
         return args, static
 
     def _idle_state(self):
@@ -339,10 +339,11 @@ class Engine:
             self.rows = rows
 
     def _rounds_args(self, state, sampling, k):
-        return self.target.params, self.draft.params, state, sampling, np.int32(k)
+        return self.params, state, sampling, np.int32(k)
 
     def _rounds_static(self, tree):
-        return dict(tmodule=self.target.module, dmodule=self.draft.module, tree=tree, catch_up=False)
+        """A dispatch's spec: plain rounds leave the draft behind (a row that took one stays plain)."""
+        return dict(spec=RoundSpec.of(self.target, self.draft, tree, catch_up=False))
 
     def _dispatch(self, state, tree, sampling, k):
         return ROUNDS(*self._rounds_args(state, sampling, k), **self._rounds_static(tree))

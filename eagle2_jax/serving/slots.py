@@ -12,15 +12,13 @@ arrivals, departures, lengths and sampling values are data.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 
-from ..models.cache import KVCache
-from ..config import TreeConfig
-from ..decoding.eagle import EagleState, eagle_round, plain_round
+from ..decoding.eagle import EagleState, eagle_round
 from ..decoding.programs import Program
+from ..decoding.spec import RoundSpec
+from ..models.cache import KVCache
 
 ROW_FIELDS = ("root_B", "hidden_BD", "out_BM", "n_out_B", "done_B", "max_new_B", "keys_B", "accept_BR", "rounds_B")
 
@@ -73,9 +71,8 @@ def retire(st: EagleState, stop_B) -> EagleState:
     return st.replace(done_B=st.done_B | stop_B)
 
 
-def rounds(tmodule, tparams, dmodule, dparams, st: EagleState, sampling, max_rounds, *,
-           tree: Optional[TreeConfig], catch_up: bool = True) -> EagleState:
-    """Up to `max_rounds` rounds of `tree` (None: plain decoding steps) over every row, returning early
+def rounds(params, st: EagleState, sampling, max_rounds, *, spec: RoundSpec) -> EagleState:
+    """Up to `max_rounds` rounds of spec (a tree, or plain decoding steps) over every row, returning early
     once a row finishes (its slot can then be reused). `sampling`: scalars or one value per row."""
     done0 = jnp.sum(st.done_B)
 
@@ -85,34 +82,12 @@ def rounds(tmodule, tparams, dmodule, dparams, st: EagleState, sampling, max_rou
 
     def body(carry):
         s, i = carry
-        if tree is None:
-            return plain_round(tmodule, tparams, dmodule, dparams, s, sampling, catch_up), i + 1
-        return eagle_round(tmodule, tparams, dmodule, dparams, s, sampling, tree), i + 1
+        return eagle_round(spec, params, s, sampling), i + 1
     return jax.lax.while_loop(more, body, (st, jnp.int32(0)))[0]
 
 
-def _insert(st, one, slot):
-    return insert(st, one, slot)
-
-
-def _move(st, src, dst):
-    return move(st, src, dst)
-
-
-def _retire(st, stop_B):
-    return retire(st, stop_B)
-
-
-def _resize(st, *, rows):
-    return resize(st, rows)
-
-
-def _rounds(tparams, dparams, st, sampling, max_rounds, *, tmodule, dmodule, tree, catch_up):
-    return rounds(tmodule, tparams, dmodule, dparams, st, sampling, max_rounds, tree=tree, catch_up=catch_up)
-
-
-INSERT = Program(_insert, (), donate=("st",))
-MOVE = Program(_move, (), donate=("st",))
-RETIRE = Program(_retire, (), donate=("st",))
-RESIZE = Program(_resize, ("rows",))  # new shapes: nothing to donate
-ROUNDS = Program(_rounds, ("tmodule", "dmodule", "tree", "catch_up"), donate=("st",), loop=True)
+INSERT = Program(insert, (), donate=("st",))
+MOVE = Program(move, (), donate=("st",))
+RETIRE = Program(retire, (), donate=("st",))
+RESIZE = Program(resize, ("rows",))  # new shapes: nothing to donate
+ROUNDS = Program(rounds, ("spec",), donate=("st",), loop=True)

@@ -19,6 +19,7 @@ from eagle2_jax.models.draft import with_draft_vocab
 from eagle2_jax.backends.pallas import ops_for
 from eagle2_jax.decoding.programs import gpu_graph_options
 from eagle2_jax.decoding.sampling import SamplingParams
+from eagle2_jax.decoding.spec import RoundSpec, params_of
 from infer import phases
 
 from .graphs import compile_with_thunks, loop_launches
@@ -100,21 +101,22 @@ def analyze(model: str = "random:llama-3.1-8b", dtype: str = "bfloat16", batch: 
         if per_layer:
             target = layer_list.per_layer(target)
         draft = layer_list.draft_like(dataclasses.replace(draft0, ops=base), target)
-        tm, dm, tp, dp = target.module, draft.module, target.params, draft.params
+        params, plain_params = params_of(target, draft), params_of(target)
+        spec, plain_spec = RoundSpec.of(target, draft, tree), RoundSpec.of(target)
         _, args, static = vanilla.program_inputs(target, prompts, max_new_tokens, None, 0, SamplingConfig())
         pst = lower(vanilla.PREFILL._jit, *args, **static).out_info
-        b, args, static = eagle.program_inputs(target, draft, prompts, max_new_tokens, None, 0, SamplingConfig(), tree)
+        b, args, static = eagle.program_inputs(target, draft, prompts, max_new_tokens, None, 0, SamplingConfig(),
+                                               eagle.scratch_slots(tree))
         est = lower(eagle.PREFILL._jit, *args, **static).out_info
-        lo = {"step": lower(vanilla.STEP._jit, tp, pst, greedy, module=tm),
-              "draft": lower(phases.DRAFT, tp, dp, est, tm=tm, dm=dm, tree=tree)}
+        lo = {"step": lower(vanilla.STEP._jit, plain_params, pst, greedy, spec=plain_spec),
+              "draft": lower(phases.DRAFT, params, est, spec=spec)}
         t, dcache = lo["draft"].out_info
-        lo["verify"] = lower(phases.VERIFY, tp, est, t, tm=tm, dm=dm)
-        lo["accept"] = lower(phases.ACCEPT, tp, dp, est, t, lo["verify"].out_info, dcache, greedy, tm=tm, dm=dm,
-                             tree=tree)
-        lo["round"] = lower(phases.ROUND, tp, dp, est, greedy, tm=tm, dm=dm, tree=tree)
+        lo["verify"] = lower(phases.VERIFY, params, est, t, spec=spec.prefill())
+        lo["accept"] = lower(phases.ACCEPT, params, est, t, lo["verify"].out_info, dcache, greedy, spec=spec)
+        lo["round"] = lower(phases.ROUND, params, est, greedy, spec=spec)
         if on is not None:  # the decode loops as generation runs them: state donated, caches in place
-            lo["step_loop"] = lower(vanilla.LOOP._jit, tp, pst, greedy, module=tm)
-            lo["round_loop"] = lower(eagle.LOOP._jit, tp, dp, est, greedy, tmodule=tm, dmodule=dm, tree=tree)
+            lo["step_loop"] = lower(vanilla.LOOP._jit, plain_params, pst, greedy, spec=plain_spec)
+            lo["round_loop"] = lower(eagle.LOOP._jit, params, est, greedy, spec=spec)
         return lo, b
     lowered, b = lower_all(base)
     cost = {k: _cost(lo, False) for k, lo in lowered.items()}
