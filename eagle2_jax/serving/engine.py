@@ -18,10 +18,10 @@ rows are done.
 
 Speculation adapts to load: the plan maps each slot bucket to a tree or to plain decoding (None),
 from the head's tree.json (`by_batch`, timed per batch size) unless a tree is given; `mode="vanilla"`
-serves plain decoding only. Plain rounds cost exactly plain decoding (the draft does not follow
-them), so a row that took one has a stale draft and keeps to plain rounds until it ends: a tree is
-drafted only while every busy row's draft is current. Sampling is per request (temperature, top-p, top-k, seed; temperature 0 is greedy): the
-greedy program runs while every busy row is greedy, the sampling program (greedy rows kept greedy)
+serves plain decoding only. A plain round also feeds the draft the token it commits (one draft-layer
+position, no draft LM head), so every row can draft again as soon as the load falls back to a tree
+bucket; in vanilla mode the draft is never run. Sampling is per request (temperature, top-p, top-k,
+seed; temperature 0 is greedy): the greedy program runs while every busy row is greedy, the sampling program (greedy rows kept greedy)
 otherwise. Rows are independent, so a request's tokens never depend on what else is in the batch.
 Stop token ids beyond the model's EOS are checked on the host, which then retires the row.
 """
@@ -137,7 +137,6 @@ class Engine:
         self._temperature = np.zeros(self.slots, np.float32)  # per slot: the request's sampling
         self._top_k = np.zeros(self.slots, np.int32)
         self._top_p = np.ones(self.slots, np.float32)
-        self._current = np.zeros(self.slots, bool)  # the row's draft has followed every token (no plain rounds)
         self.dispatches: collections.Counter = collections.Counter()  # (rows, tree or None: plain) -> count
         self.state = None  # the busy slots' EagleState (self.rows rows), made on first use: every row idle
         self.rows = self.buckets[0]
@@ -232,13 +231,8 @@ class Engine:
             return
         rows = self.rows
         tree = self.plan[rows]
-        busy = list(self.running)
-        if tree is not None and not self._current[busy].all():
-            tree = None  # a stale draft among the busy rows
         self.state = self._dispatch(self.state, tree, self._sampling(rows), self.k)
         self.dispatches[rows, tree] += 1
-        if tree is None:
-            self._current[busy] = False
         self._hand_out()
 
     def bucket_for(self, busy: int) -> int:
@@ -297,7 +291,7 @@ class Engine:
             state = counted(INSERT, state, one, np.int32(0), label=f"insert ({rows} rows)")
             state = counted(MOVE, state, np.int32(0), np.int32(rows - 1), label=f"move ({rows} rows)")
             state = counted(RETIRE, state, np.ones(rows, bool), label=f"retire ({rows} rows)")
-            for tree in dict.fromkeys((self.plan[rows], None)):  # the plan's tree, and plain for stale drafts
+            for tree in dict.fromkeys((self.plan[rows], None)):  # the plan's tree, and plain rounds
                 for greedy in self.modes:
                     s = SamplingParams.of(SamplingConfig()) if greedy else SamplingParams.rows(
                         np.ones(rows), np.zeros(rows), np.ones(rows))
@@ -342,8 +336,8 @@ class Engine:
         return self.params, state, sampling, np.int32(k)
 
     def _rounds_static(self, tree):
-        """A dispatch's spec: plain rounds leave the draft behind (a row that took one stays plain)."""
-        return dict(spec=RoundSpec.of(self.target, self.draft, tree, catch_up=False))
+        """A dispatch's spec: plain rounds feed the draft their token unless the engine never drafts."""
+        return dict(spec=RoundSpec.of(self.target, self.draft, tree, catch_up=self.mode != "vanilla"))
 
     def _dispatch(self, state, tree, sampling, k):
         return ROUNDS(*self._rounds_args(state, sampling, k), **self._rounds_static(tree))
@@ -361,7 +355,6 @@ class Engine:
         r.slot = slot
         self.running[slot] = r
         self._seen[slot] = self._rounds[slot] = 0
-        self._current[slot] = True
         s = r.sampling
         self._temperature[slot] = 0.0 if s.greedy else s.temperature  # 0: the row decodes greedily
         self._top_k[slot], self._top_p[slot] = s.top_k, s.top_p
@@ -377,7 +370,7 @@ class Engine:
             self.state = RETIRE(self.state, np.arange(self.rows) == src)
             r = self.running.pop(src)
             r.slot, self.running[dst] = dst, r
-            for a in (self._seen, self._rounds, self._temperature, self._top_k, self._top_p, self._current):
+            for a in (self._seen, self._rounds, self._temperature, self._top_k, self._top_p):
                 a[dst] = a[src]
             self._idle_slot(src)
         if need < self.rows:
