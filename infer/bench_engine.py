@@ -81,9 +81,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         n = engine.warmup()
         compile_s = time.perf_counter() - t0
-        print(f"{mode}: {n} programs warmed up in {compile_s:.1f} s; plan " + ", ".join(
-            f"{b}: " + ("plain" if t is None else f"{t.depth}/{t.top_k}/{t.total_tokens}") for b, t in engine.plan.items()),
-            flush=True)
+        print(f"{mode}: {n} programs warmed up in {compile_s:.1f} s; plan {engine.describe_plan()}", flush=True)
         for c in args.concurrency:
             r = dict(mode=mode, warmup_s=compile_s, **closed_loop(engine, prompts, c, args.requests, args.max_tokens))
             rows.append(r)

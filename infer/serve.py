@@ -14,6 +14,7 @@ leave the other requests alone; a client that disconnects cancels its request.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -34,6 +35,7 @@ import eagle2_jax as e2
 from eagle2_jax.decoding.programs import enable_compile_cache
 from eagle2_jax.serving import Engine, compile_programs
 from eagle2_jax.serving.detokenize import TextStream
+from eagle2_jax.serving.plan import parse_plan
 from eagle2_jax.serving.worker import EngineUnavailable, Worker
 from infer.protocol import ChatRequest, CompletionRequest, error_param
 from infer.cli import Parser, add_backend_args, add_model_args, fail, load_models, positive_float, positive_int
@@ -128,6 +130,12 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64,
             on_fatal(reason)
 
     worker = Worker(engine, on_fatal=fatal, on_step=on_step, on_ended=on_ended)
+    plan = Gauge("eagle2_plan_tokens", "tokens verified per round at each slot bucket now (1: plain rounds)",
+                 ["rows"], registry=registry)
+    for b in engine.buckets:
+        plan.labels(str(b)).set_function(lambda b=b: 1 if engine.plan[b] is None else engine.plan[b].total_tokens)
+    Gauge("eagle2_plan_moves", "times a slot bucket moved to another tree (auto plan)", registry=registry
+          ).set_function(lambda: engine.planner.moves if engine.planner is not None else 0)
     metrics["healthy"].set_function(lambda: float(worker.healthy))
     eos = tokenizer.eos_token_id
 
@@ -406,14 +414,25 @@ def serve(app: FastAPI, host: str, port: int, graceful_s: float = 10.0) -> int:
     return 0
 
 
+def plan_arg(text: str):
+    try:
+        return parse_plan(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> Parser:
     ap = Parser(prog="python -m infer.serve", description=__doc__)
     add_model_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     ap.add_argument("--mode", choices=["eagle", "vanilla"], default="eagle",
-                    help="eagle: EAGLE-2 rounds, the tree for each load from the head's tree.json (plain steps where "
-                         "no tree pays); vanilla: plain decoding only (default eagle)")
+                    help="eagle: EAGLE-2 rounds, the tree for each load from --plan (plain rounds where no tree "
+                         "pays); vanilla: plain decoding only (default eagle)")
+    ap.add_argument("--plan", type=plan_arg, default=None,
+                    help="the tree per number of busy rows: 'auto' (time candidate trees and plain rounds at "
+                         "warm-up on this device, adapt to the accept lengths seen), 'head' (the head's tree.json "
+                         "table; auto where it has none: the default), or a table such as 1=5/10/60,4=plain")
     ap.add_argument("--max-batch", type=positive_int, default=4,
                     help="slots decoded together; a dispatch computes the power of two covering the busy ones "
                          "(default 4)")
@@ -450,20 +469,19 @@ def main(argv=None):
             fail(str(e))
         bar = tqdm(desc="compiling", unit="program")
         n = compile_programs(target, draft, slots=args.max_batch, max_len=args.max_model_len, mode=args.mode,
-                             progress=lambda what: bar.update(1))
+                             tree=args.plan, progress=lambda what: bar.update(1))
         bar.close()
         print(f"compiled {n} programs for {args.model}" + (f" into {cache}" if cache else ""))
         return
     target, draft = load_models(args, need_draft=True, mesh=mesh)
     if target.tokenizer is None:
         raise SystemExit("error: the model has no tokenizer: serve a named model, an HF directory or a .gguf")
-    engine = Engine(target, draft, slots=args.max_batch, max_len=args.max_model_len, mode=args.mode,
+    engine = Engine(target, draft, slots=args.max_batch, max_len=args.max_model_len, mode=args.mode, plan=args.plan,
                     eos_token_id=target.tokenizer.eos_token_id, rounds_per_dispatch=args.rounds_per_dispatch)
-    print("plan: " + ", ".join(f"{b} rows: " + ("plain" if t is None else f"tree {t.depth}/{t.top_k}/{t.total_tokens}")
-                               for b, t in engine.plan.items()))
-    bar = tqdm(desc="compiling", unit="program")
+    bar = tqdm(desc="compiling" + (" and timing the plan's candidates" if engine.auto else ""), unit="program")
     engine.warmup(progress=lambda what: bar.update(1))
     bar.close()
+    print("plan: " + engine.describe_plan(), flush=True)
     name = args.model if "/" not in args.model else args.model.rstrip("/").split("/")[-1]
     app = build_app(engine, target.tokenizer, name, max_body_bytes=int(args.max_body_mb * 2 ** 20))
     sys.exit(serve(app, args.host, args.port))

@@ -216,3 +216,51 @@ def test_bench_engine_runs_both_modes(tmp_path):
     assert [(r["mode"], r["concurrency"]) for r in rows] == [("eagle", 1), ("eagle", 2), ("vanilla", 1), ("vanilla", 2)]
     assert all(r["requests"] == 3 and r["completion_tokens"] == 18 for r in rows)
     assert all(r["tau"] == 1.0 for r in rows if r["mode"] == "vanilla")
+
+
+def test_an_auto_plan_is_measured_at_warm_up_and_serves_the_same_tokens(pair, reference):
+    """plan="auto": every candidate tree and plain rounds compiled and timed at each bucket during
+    warm-up, a choice per bucket among them; greedy requests still equal plain decoding, and nothing
+    compiles after warm-up."""
+    t, d = pair
+    engine = Engine(t, d, slots=2, max_len=64, plan="auto", rounds_per_dispatch=2, sampling=False)
+    assert engine.auto and all(None in cs and len(cs) >= 3 for cs in engine.choices.values())
+    engine.warmup()
+    assert engine.planner is not None and set(engine.plan) == {1, 2}
+    assert all(engine.plan[b] in engine.choices[b] for b in engine.buckets)
+    assert all(c.round_ms > 0 for cs in engine.planner.table.values() for c in cs)
+    assert "rows:" in engine.describe_plan()
+    before = compiles()
+    reqs = [engine.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    engine.run(max_steps=800)
+    assert [r.tokens for r in reqs] == reference
+    assert compiles() == before, "something compiled after warm-up"
+
+
+def test_the_planner_follows_observed_acceptance_with_hysteresis():
+    """A tree that promises more than plain rounds is chosen; when its rounds accept nothing beyond the
+    bonus the bucket moves to plain rounds once, after DWELL dispatches, and does not move back on its
+    own (plain rounds teach nothing about acceptance); choices within the margin never move."""
+    from eagle2_jax.serving.plan import DWELL, Choice, Planner
+    tree = e2.TreeConfig(3, 2, 6)
+    p = Planner({1: [Choice(tree, 12.0, 1.5), Choice(None, 10.0, 1.0)]})
+    assert p.plan[1] == tree  # 1.5 / 12 > 1 / 10
+    for _ in range(3 * DWELL):
+        assert p.choose(1) is not None or p.moves == 1
+        p.observe(1, p.plan[1], [1, 1, 1, 1] if p.plan[1] is not None else [])
+    assert p.plan[1] is None and p.moves == 1
+    close = Planner({1: [Choice(tree, 10.5, 1.1), Choice(None, 10.0, 1.0)]})  # 1.1 / 10.5 is within the margin
+    start = close.plan[1]
+    for _ in range(3 * DWELL):
+        close.choose(1)
+        close.observe(1, close.plan[1], [1, 2] if close.plan[1] is not None else [])
+    assert close.plan[1] == start and close.moves == 0
+
+
+def test_plans_from_the_command_line():
+    from eagle2_jax.serving.plan import parse_plan
+    assert parse_plan("auto") == "auto" and parse_plan("head") is None
+    assert parse_plan("1=5/10/60,4=plain") == {1: e2.TreeConfig(5, 10, 60), 4: None}
+    for bad in ("1=5/10", "x=plain", "0=plain", "1=5/10/60/2"):
+        with pytest.raises(ValueError, match="plan"):
+            parse_plan(bad)

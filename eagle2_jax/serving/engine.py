@@ -16,9 +16,12 @@ more rows than that. `step` runs up to `rounds_per_dispatch` rounds on device (s
 returning early when a row finishes), reads each busy row's new tokens and frees the slots whose
 rows are done.
 
-Speculation adapts to load: the plan maps each slot bucket to a tree or to plain decoding (None),
-from the head's tree.json (`by_batch`, timed per batch size) unless a tree is given; `mode="vanilla"`
-serves plain decoding only. A plain round also feeds the draft the token it commits (one draft-layer
+Speculation adapts to load: the plan maps each slot bucket to a tree or to plain decoding (None):
+given (one tree, or a table by batch size), from the head's tree.json (`by_batch`, timed per batch
+size), or measured at warm-up where neither is given ("auto", serving.plan: round times of a few
+candidate trees and of plain rounds at every bucket, tau from a calibration; at run time the accept
+lengths the rows see move a bucket to another compiled choice when it wins by a margin);
+`mode="vanilla"` serves plain decoding only. A plain round also feeds the draft the token it commits (one draft-layer
 position, no draft LM head), so every row can draft again as soon as the load falls back to a tree
 bucket; in vanilla mode the draft is never run. Sampling is per request (temperature, top-p, top-k,
 seed; temperature 0 is greedy): the greedy program runs while every busy row is greedy, the sampling program (greedy rows kept greedy)
@@ -35,19 +38,19 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
-from ..decoding.autotune import resolve_tree
+from ..config import SamplingConfig
 from ..decoding.batching import MIN_PROMPT_BUCKET, cache_bucket, eos_value, next_pow2, round_up
-from ..config import SamplingConfig, TreeConfig
-from ..models.draft import Draft, check_compatible
-from ..decoding.defaults import for_batch
 from ..decoding.eagle import PREFILL, program_inputs, scratch_slots
-from ..decoding.spec import RoundSpec, params_of
-from ..models.target import Target
 from ..decoding.sampling import SamplingParams
+from ..decoding.spec import RoundSpec, params_of
+from ..models.draft import Draft, check_compatible
+from ..models.target import Target
 from ..sharding import batch_multiple, to_host
+from .plan import AUTO, Choice, Planner, calibration_prompts, candidates, fixed_plan, measure_tau, time_rounds
 from .slots import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
 
 MODES = ("eagle", "vanilla")
+TIMED_ROUNDS = 4  # rounds per timed dispatch when an auto plan is measured
 
 
 def engine_cache_len(max_len: int, trees) -> int:
@@ -67,24 +70,6 @@ def bucket_prompts(max_len: int) -> list:
 def slot_buckets(slots: int, multiple: int = 1) -> list:
     """Row counts ROUNDS is compiled for: powers of two (multiples of the mesh's data axis) up to slots."""
     return sorted({min(round_up(next_pow2(n), multiple), slots) for n in range(1, slots + 1)})
-
-
-def load_plan(draft: Draft, buckets, tree=None, mode: str = "eagle") -> dict:
-    """Slot bucket -> the tree its rounds use, or None for plain decoding. `tree`: a TreeConfig for
-    every bucket; a table {batch size: TreeConfig or None} read as a tree.json's by_batch (the entry
-    of the largest size at or below the bucket); None: the head's tree.json per batch size
-    (autotune.resolve_tree; "plain" -> None)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "vanilla":
-        return {b: None for b in buckets}
-    if isinstance(tree, dict):
-        if not tree or not all(isinstance(v, (TreeConfig, type(None))) for v in tree.values()):
-            raise ValueError(f"a tree table maps batch sizes to a TreeConfig or None, got {tree!r}")
-        return {b: for_batch(tree, b) for b in buckets}
-    if tree is not None and not isinstance(tree, TreeConfig):
-        raise ValueError(f"tree must be a TreeConfig, a table of them by batch size or None, got {tree!r}")
-    return {b: tree if tree is not None else resolve_tree(draft, batch=b) for b in buckets}
 
 
 @dataclasses.dataclass(eq=False)
@@ -111,24 +96,37 @@ class Request:
 
 class Engine:
     def __init__(self, target: Target, draft: Draft, *, slots: int = 4, max_len: int = 1024,
-                 tree=None, mode: str = "eagle", eos_token_id: Optional[int] = None,
+                 tree=None, plan=None, mode: str = "eagle", eos_token_id: Optional[int] = None,
                  rounds_per_dispatch: int = 8, seed: int = 0, sampling: bool = True):
         """`slots`: most rows decoded together (rounded up to a power of two); `max_len`: the longest
-        prompt + max_new_tokens a request may ask for; `tree`: one tree at every load, a table by
-        batch size, or None: the head's tree.json (see load_plan); `mode`: "eagle" or "vanilla" (plain decoding only).
-        `sampling` False: greedy requests only (half the programs to compile). Nothing runs until
-        `warmup()` or the first `step()`."""
+        prompt + max_new_tokens a request may ask for; `plan` (or `tree`): one TreeConfig at every load,
+        a table {batch size: TreeConfig or None}, "auto" (measured at warm-up, adapted at run time:
+        serving.plan), or None: the head's tree.json table, else "auto"; `mode`: "eagle" or "vanilla"
+        (plain decoding only). `sampling` False: greedy requests only (half the programs to compile).
+        Nothing runs until `warmup()` or the first `step()`."""
         check_compatible(draft.config, target.config)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.target, self.draft, self.mode = target, draft, mode
         m = batch_multiple(target.mesh)
         self.slots = round_up(next_pow2(slots), m)
         self.buckets = slot_buckets(self.slots, m)
-        self.plan = load_plan(draft, self.buckets, tree, mode)
+        plan = plan if plan is not None else tree
+        fixed = {b: None for b in self.buckets} if mode == "vanilla" else (
+            None if plan == AUTO else fixed_plan(draft, self.buckets, plan))
+        self.auto = fixed is None
+        trees = candidates(draft, target.config.vocab_size) if self.auto else []
+        # bucket -> the choices compiled for it (the plan's tree and plain rounds; auto: every candidate)
+        self.choices = {b: trees + [None] if self.auto else list(dict.fromkeys((fixed[b], None)))
+                        for b in self.buckets}
+        self.plan = {b: trees[-1] for b in self.buckets} if self.auto else fixed  # auto: measured at warm-up
+        self.planner: Optional[Planner] = None
         self.eos, self.max_len, self.k, self.seed = eos_token_id, max_len, rounds_per_dispatch, seed
         self.modes = (True, False) if sampling else (True,)  # greedy program, sampling program
-        self.cache_len = engine_cache_len(max_len, self.plan.values())
+        every = [t for cs in self.choices.values() for t in cs]
+        self.cache_len = engine_cache_len(max_len, every)
         self.params = params_of(target, draft)
-        self._slack = max(scratch_slots(t) for t in self.plan.values())  # checked against the cache bucket
+        self._slack = max(scratch_slots(t) for t in every)  # checked against the cache bucket
         self.queue: collections.deque = collections.deque()
         self.running: dict = {}  # slot -> Request
         self._ids = itertools.count()
@@ -230,10 +228,12 @@ class Engine:
         if not self.running:
             return
         rows = self.rows
-        tree = self.plan[rows]
+        tree = self.planner.choose(rows) if self.planner is not None else self.plan[rows]
         self.state = self._dispatch(self.state, tree, self._sampling(rows), self.k)
         self.dispatches[rows, tree] += 1
-        self._hand_out()
+        accepted = self._hand_out()
+        if self.planner is not None:
+            self.planner.observe(rows, tree, accepted)
 
     def bucket_for(self, busy: int) -> int:
         """The smallest slot bucket holding `busy` rows."""
@@ -257,7 +257,35 @@ class Engine:
             return out
         n = 1 + self._programs(run, self._idle_state())  # the slots' own prefill first
         jax.block_until_ready(self.state)
+        if self.auto:
+            self._measure_plan(progress)
         return n
+
+    def describe_plan(self) -> str:
+        """The plan in one line: each bucket's choice (auto: with every candidate's figures)."""
+        if self.planner is not None:
+            return self.planner.describe()
+        return ", ".join(f"{b} rows: " + ("plain" if t is None else f"tree {t.depth}/{t.top_k}/{t.total_tokens}")
+                         for b, t in self.plan.items()) + (" (auto: measured at warm-up)" if self.auto else "")
+
+    def _measure_plan(self, progress=None) -> None:
+        """Time every compiled choice at every bucket over that many busy rows, calibrate tau, and
+        let the planner pick (serving.plan)."""
+        trees = [t for t in self.choices[self.buckets[0]] if t is not None]
+        taus = measure_tau(self.target, self.draft, trees)
+        prompt = (calibration_prompts(self.target.tokenizer)[0] if self.target.tokenizer is not None
+                  else [1] * MIN_PROMPT_BUCKET)[:self.max_len // 2]
+        greedy = SamplingParams.of(SamplingConfig())
+        table = {}
+        for b in self.buckets:
+            args, static = self._prefill_args([prompt] * b, self.max_len - len(prompt), self.seed, SamplingConfig())
+            busy = PREFILL(*args, **static)
+            table[b] = [Choice(t, time_rounds(lambda s, t=t: self._dispatch(s, t, greedy, TIMED_ROUNDS), busy,
+                                              TIMED_ROUNDS), 1.0 if t is None else taus[t]) for t in self.choices[b]]
+            if progress:
+                progress(f"timed {b} rows")
+        self.planner = Planner(table)
+        self.plan = self.planner.plan
 
     # ---- internals --------------------------------------------------------------------------------
     def _programs(self, call, state) -> int:
@@ -291,7 +319,7 @@ class Engine:
             state = counted(INSERT, state, one, np.int32(0), label=f"insert ({rows} rows)")
             state = counted(MOVE, state, np.int32(0), np.int32(rows - 1), label=f"move ({rows} rows)")
             state = counted(RETIRE, state, np.ones(rows, bool), label=f"retire ({rows} rows)")
-            for tree in dict.fromkeys((self.plan[rows], None)):  # the plan's tree, and plain rounds
+            for tree in self.choices[rows]:
                 for greedy in self.modes:
                     s = SamplingParams.of(SamplingConfig()) if greedy else SamplingParams.rows(
                         np.ones(rows), np.zeros(rows), np.ones(rows))
@@ -387,15 +415,19 @@ class Engine:
             self.running.pop(s, None)
             self._idle_slot(s)
 
-    def _hand_out(self) -> None:
+    def _hand_out(self) -> list:
+        """Hand each busy row's new tokens to its request, retire finished rows; returns the accept
+        lengths of the rounds this dispatch ran (every busy row's)."""
         n_out, done, rounds = (to_host(x) for x in (self.state.n_out_B, self.state.done_B, self.state.rounds_B))
         out = to_host(self.state.out_BM)
         acc = to_host(self.state.accept_BR)
         eos = eos_value(self.eos)
-        stopped = []
+        stopped, accepted = [], []
         for slot, r in list(self.running.items()):
             new = out[slot, self._seen[slot]:n_out[slot]].tolist()
-            r.accept_lengths.extend(acc[slot, self._rounds[slot]:rounds[slot]].tolist())
+            new_acc = acc[slot, self._rounds[slot]:rounds[slot]].tolist()
+            r.accept_lengths.extend(new_acc)
+            accepted.extend(new_acc)
             self._seen[slot], self._rounds[slot] = n_out[slot], rounds[slot]
             hit = next((i for i, t in enumerate(new) if t in r.stop_ids), None)
             if hit is not None:  # a stop id the device does not know: cut after it, retire the row
@@ -415,6 +447,7 @@ class Engine:
                 stopped.append(slot)
         if stopped:
             self._retire(stopped)
+        return accepted
 
 
 def compile_programs(target: Target, draft: Draft, *, slots: int = 4, max_len: int = 1024,
