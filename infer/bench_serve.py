@@ -7,7 +7,8 @@
 --launch starts `python -m infer.serve --mode M` on 127.0.0.1 for each mode in turn (one at a time,
 so servers never share the machine; --server-args passes it more flags), waits for its warm-up,
 runs every load against it and stops it. For each load (a fixed number of clients, or Poisson
-arrivals at --rate requests/s) every request is a streamed chat completion at temperature 0;
+arrivals at each of --rate's request rates, as vllm bench serve and sglang.bench_serving send them)
+every request is a streamed chat completion at temperature 0;
 reported per server and load: completion tokens/s over the wall time, requests/s, time to first
 token and inter-token latency (p50 / p99), and the XLA compiles the server made during the load
 (read from its /metrics; 0 after warm-up). With two servers the table gives the first's tokens/s
@@ -30,7 +31,7 @@ import urllib.request
 
 import numpy as np
 
-from infer.cli import Parser, fail, positive_float, positive_int, positive_ints, writable_dir
+from infer.cli import Parser, fail, positive_float, positive_floats, positive_int, positive_ints, writable_dir
 from infer.prompts import DEFAULT_QUESTIONS, load_questions
 
 
@@ -43,8 +44,9 @@ def parse(argv=None):
     ap.add_argument("--max-tokens", type=positive_int, default=128, help="completion tokens per request (default 128)")
     ap.add_argument("--concurrency", type=positive_ints, default="1,4,8",
                     help="comma list of client counts, one load each (default 1,4,8)")
-    ap.add_argument("--rate", type=positive_float, default=None,
-                    help="instead: Poisson arrivals at this many requests/s (one load)")
+    ap.add_argument("--rate", type=positive_floats, default=None,
+                    help="instead: Poisson arrivals at these request rates per second, one load each "
+                         "(a comma list, e.g. 0.25,0.5,1)")
     ap.add_argument("--timeout", type=positive_float, default=600, help="seconds a request may take (default 600)")
     ap.add_argument("--out", type=writable_dir, default="runs/bench_serve", help="output directory")
     ap.add_argument("--launch", default=None,
@@ -161,7 +163,7 @@ def bench_server(url, args, prompts, label):
             model = args.model or json.loads(r.read())["data"][0]["id"]
     except OSError as e:
         fail(f"no server at {url}: {e}")
-    loads = [dict(rate=args.rate)] if args.rate else [dict(concurrency=c) for c in args.concurrency]
+    loads = [dict(rate=r) for r in args.rate] if args.rate else [dict(concurrency=c) for c in args.concurrency]
     rows = []
     for load in loads:
         before = compiles(url)

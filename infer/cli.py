@@ -69,6 +69,18 @@ tokens_per_round = _checked("tokens_per_round", _float, lambda v: v >= 1,
                             "tau: at least 1 (every round adds the bonus token).")
 
 
+def positive_floats(text: str) -> list:
+    """A comma list of finite numbers above 0 ("0.25,0.5,1")."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        out = [positive_float(p) for p in parts]
+    except argparse.ArgumentTypeError:
+        out = []
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected numbers above 0 separated by commas, got {text!r}")
+    return out
+
+
 def positive_ints(text: str) -> list:
     """A comma list of positive integers ("1,4,16")."""
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
