@@ -143,12 +143,12 @@ def test_mixed_greedy_and_sampled_rows_under_a_load_plan(pair, reference):
     reqs = [engine.submit(PROMPTS[1], MAX_NEW[1], **kw) for kw in sampled] + [engine.submit(PROMPTS[3], MAX_NEW[3])]
     engine.step()  # busy: plain rounds over 4 rows (their draft follows every token)
     assert engine.dispatches[4, None] == 1
-    before = len(first.accept_lengths)
+    seen = len(first.accept_lengths)
     engine.run(max_steps=500)
     assert first.tokens == reference_first and reqs[2].tokens == reference[3]
     # `first`, alone again after the burst, drafts trees again, and they are accepted
     assert engine.dispatches[1, TREE] > 2 and engine.dispatches[1, None] == 0
-    assert any(a > 1 for a in first.accept_lengths[before:])
+    assert any(a > 1 for a in first.accept_lengths[seen:])
     alone = engine.submit(PROMPTS[1], MAX_NEW[1], **sampled[0])  # the seeded request again, alone: tree rounds
     engine.run(max_steps=500)
     assert alone.tokens == want[0]
