@@ -77,6 +77,19 @@ def compiles(url):
     return None
 
 
+def plan(url):
+    """The server's plan now, {busy rows: tokens per round (1: plain)}, from eagle2_plan_tokens; None if absent."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            out = {}
+            for line in r.read().decode().splitlines():
+                if line.startswith('eagle2_plan_tokens{rows="'):
+                    out[int(line.split('"')[1])] = int(float(line.split()[-1]))
+            return dict(sorted(out.items())) or None
+    except OSError:
+        return None
+
+
 def launch(mode, server_args, timeout):
     """Start `python -m infer.serve --mode mode` on a free 127.0.0.1 port; (process, url) once it answers."""
     with socket.socket() as sock:
@@ -169,7 +182,8 @@ def bench_server(url, args, prompts, label):
         before = compiles(url)
         r = run_load(url, model, prompts, args.max_tokens, args.timeout, **load)
         after = compiles(url)
-        r.update(server=label, model=model, compiles=None if before is None or after is None else after - before)
+        r.update(server=label, model=model, compiles=None if before is None or after is None else after - before,
+                 plan=plan(url))
         rows.append(r)
         print(f"{label}, {'rate ' + str(r['rate']) if r['rate'] else 'concurrency ' + str(r['concurrency'])}: "
               f"{r['tokens_per_s']:.1f} tokens/s, {r['requests_per_s']:.2f} req/s, TTFT p50 {r['ttft_ms_p50']:.0f} ms "
