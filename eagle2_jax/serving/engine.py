@@ -47,6 +47,7 @@ from ..models.draft import Draft, check_compatible
 from ..models.target import Target
 from ..sharding import batch_multiple, to_host
 from .plan import AUTO, Choice, Planner, calibration_prompts, candidates, fixed_plan, measure_tau, time_rounds
+from .slot_table import SlotTable
 from .slots import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
 
 MODES = ("eagle", "vanilla")
@@ -128,13 +129,8 @@ class Engine:
         self.params = params_of(target, draft)
         self._slack = max(scratch_slots(t) for t in every)  # checked against the cache bucket
         self.queue: collections.deque = collections.deque()
-        self.running: dict = {}  # slot -> Request
+        self.table = SlotTable(self.slots)  # the host's side of the slots
         self._ids = itertools.count()
-        self._seen = np.zeros(self.slots, np.int64)  # tokens of each slot's row already handed out
-        self._rounds = np.zeros(self.slots, np.int64)
-        self._temperature = np.zeros(self.slots, np.float32)  # per slot: the request's sampling
-        self._top_k = np.zeros(self.slots, np.int32)
-        self._top_p = np.ones(self.slots, np.float32)
         self.dispatches: collections.Counter = collections.Counter()  # (rows, tree or None: plain) -> count
         self.state = None  # the busy slots' EagleState (self.rows rows), made on first use: every row idle
         self.rows = self.buckets[0]
@@ -206,6 +202,11 @@ class Engine:
         r.error = f"{type(e).__name__}: {e}".splitlines()[0]
 
     @property
+    def running(self) -> dict:
+        """slot -> the request it holds."""
+        return self.table.requests
+
+    @property
     def idle(self) -> bool:
         return not self.queue and not self.running
 
@@ -217,8 +218,7 @@ class Engine:
         n = min(len(self.queue), self.slots - len(self.running))
         if n:
             self._resize(max(self.rows, self.bucket_for(len(self.running) + n)))
-            free = [s for s in range(self.rows) if s not in self.running]
-            for slot in free[:n]:
+            for slot in self.table.free(self.rows)[:n]:
                 r = self.queue.popleft()
                 try:
                     self._admit(r, slot)
@@ -229,7 +229,7 @@ class Engine:
             return
         rows = self.rows
         tree = self.planner.choose(rows) if self.planner is not None else self.plan[rows]
-        self.state = self._dispatch(self.state, tree, self._sampling(rows), self.k)
+        self.state = self._dispatch(self.state, tree, self.table.sampling(rows), self.k)
         self.dispatches[rows, tree] += 1
         accepted = self._hand_out()
         if self.planner is not None:
@@ -370,50 +370,30 @@ class Engine:
     def _dispatch(self, state, tree, sampling, k):
         return ROUNDS(*self._rounds_args(state, sampling, k), **self._rounds_static(tree))
 
-    def _sampling(self, rows: int) -> SamplingParams:
-        """The dispatch's sampling: the greedy program while every busy row is greedy, else per row."""
-        if not np.any(self._temperature[:rows] > 0):
-            return SamplingParams.of(SamplingConfig())
-        return SamplingParams.rows(self._temperature[:rows], self._top_k[:rows], self._top_p[:rows])
-
     def _admit(self, r: Request, slot: int) -> None:
         seed = r.seed if r.seed is not None else (self.seed + 1 + r.id) % 2 ** 32  # each request its own key
         args, static = self._prefill_args([r.prompt], r.max_new_tokens, seed, r.sampling)
         self.state = INSERT(self.state, PREFILL(*args, **static), np.int32(slot))
-        r.slot = slot
-        self.running[slot] = r
-        self._seen[slot] = self._rounds[slot] = 0
-        s = r.sampling
-        self._temperature[slot] = 0.0 if s.greedy else s.temperature  # 0: the row decodes greedily
-        self._top_k[slot], self._top_p[slot] = s.top_k, s.top_p
+        self.table.put(slot, r)
 
     def _pack(self) -> None:
         """Move rows from slots above the bucket the busy count needs into free slots below it, then
         shrink the state to that bucket."""
         need = self.bucket_for(len(self.running))
         high = sorted((s for s in self.running if s >= need), reverse=True)
-        free = [s for s in range(need) if s not in self.running]
-        for src, dst in zip(high, free):
+        for src, dst in zip(high, self.table.free(need)):
             self.state = MOVE(self.state, np.int32(src), np.int32(dst))
             self.state = RETIRE(self.state, np.arange(self.rows) == src)
-            r = self.running.pop(src)
-            r.slot, self.running[dst] = dst, r
-            for a in (self._seen, self._rounds, self._temperature, self._top_k, self._top_p):
-                a[dst] = a[src]
-            self._idle_slot(src)
+            self.table.move(src, dst)
         if need < self.rows:
             self._resize(need)
-
-    def _idle_slot(self, s: int) -> None:
-        self._temperature[s], self._top_k[s], self._top_p[s] = 0.0, 0, 1.0
 
     def _retire(self, slots) -> None:
         stop = np.zeros(self.rows, bool)
         stop[list(slots)] = True
         self.state = RETIRE(self.state, stop)
         for s in slots:
-            self.running.pop(s, None)
-            self._idle_slot(s)
+            self.table.clear(s)
 
     def _hand_out(self) -> list:
         """Hand each busy row's new tokens to its request, retire finished rows; returns the accept
@@ -423,12 +403,9 @@ class Engine:
         acc = to_host(self.state.accept_BR)
         eos = eos_value(self.eos)
         stopped, accepted = [], []
-        for slot, r in list(self.running.items()):
-            new = out[slot, self._seen[slot]:n_out[slot]].tolist()
-            new_acc = acc[slot, self._rounds[slot]:rounds[slot]].tolist()
+        for slot, r, new, new_acc in self.table.new_output(out, n_out, acc, rounds):
             r.accept_lengths.extend(new_acc)
             accepted.extend(new_acc)
-            self._seen[slot], self._rounds[slot] = n_out[slot], rounds[slot]
             hit = next((i for i, t in enumerate(new) if t in r.stop_ids), None)
             if hit is not None:  # a stop id the device does not know: cut after it, retire the row
                 new = new[:hit + 1]
