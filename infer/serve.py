@@ -444,6 +444,9 @@ def build_parser() -> Parser:
     ap.add_argument("--rounds-per-dispatch", type=positive_int, default=4,
                     help="EAGLE-2 rounds per device dispatch before new arrivals are admitted and tokens are sent "
                          "(default 4)")
+    ap.add_argument("--dispatch-ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="launch the next dispatch before handing out the last one's tokens, so the device computes "
+                         "while the host works (default on)")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile every program the server runs for --model's shape without weights (random:<shape> "
                          "or a config.json: abstract params, nothing allocated) into the persistent compile cache, "
@@ -477,7 +480,8 @@ def main(argv=None):
     if target.tokenizer is None:
         raise SystemExit("error: the model has no tokenizer: serve a named model, an HF directory or a .gguf")
     engine = Engine(target, draft, slots=args.max_batch, max_len=args.max_model_len, mode=args.mode, plan=args.plan,
-                    eos_token_id=target.tokenizer.eos_token_id, rounds_per_dispatch=args.rounds_per_dispatch)
+                    eos_token_id=target.tokenizer.eos_token_id, rounds_per_dispatch=args.rounds_per_dispatch,
+                    ahead=args.dispatch_ahead)
     bar = tqdm(desc="compiling" + (" and timing the plan's candidates" if engine.auto else ""), unit="program")
     engine.warmup(progress=lambda what: bar.update(1))
     bar.close()

@@ -42,7 +42,8 @@ def main(argv=None):
         ms = {}
         for catch_up in (False, True):
             spec = RoundSpec.of(target, draft, None, catch_up=catch_up)
-            ms[catch_up] = time_rounds(lambda s: ROUNDS(engine.params, s, greedy, 4, spec=spec), busy, 4, repeats=5)
+            ms[catch_up] = time_rounds(lambda s: ROUNDS(engine.params, s, greedy, spec=spec, max_rounds=4)[0], busy,
+                                       repeats=5)
         print(json.dumps({"rows": b, "plain_round_ms": round(ms[False], 2), "with_catch_up_ms": round(ms[True], 2),
                           "ratio": round(ms[True] / ms[False], 3)}), flush=True)
 

@@ -37,7 +37,7 @@ def engine(smollm2):
     import eagle2_jax as e2
     from eagle2_jax.serving import Engine
     e = Engine(smollm2, e2.load_draft(MODEL, smollm2), slots=2, max_len=MAX_LEN,
-               eos_token_id=smollm2.tokenizer.eos_token_id, rounds_per_dispatch=2)
+               eos_token_id=smollm2.tokenizer.eos_token_id, rounds_per_dispatch=2, ahead=True)  # as infer.serve
     e.warmup()
     return e
 
@@ -271,8 +271,13 @@ def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server, engine,
     r = seen[0]
     assert r.finish_reason == "cancelled" and len(r.tokens) < 80
     assert sum(engine.dispatches.values()) - dispatches <= 2  # the dispatch in flight, at most one more
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as m:
-        text = m.read().decode()
+    deadline = time.time() + 30  # the engine thread updates the gauges after its pass over the cancel
+    while time.time() < deadline:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as m:
+            text = m.read().decode()
+        if "eagle2_running_rows 0.0" in text:
+            break
+        time.sleep(0.05)
     assert "eagle2_running_rows 0.0" in text and 'eagle2_requests_ended_total{reason="cancelled"}' in text
 
 

@@ -39,9 +39,10 @@ def compiles():
     return tuple(p.num_compiled for p in (PREFILL, INSERT, MOVE, RESIZE, ROUNDS, RETIRE))
 
 
-def test_staggered_arrivals_are_token_identical_to_plain_decoding_and_compile_nothing(pair, reference):
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "dispatch-ahead"])
+def test_staggered_arrivals_are_token_identical_to_plain_decoding_and_compile_nothing(pair, reference, ahead):
     t, d = pair
-    engine = Engine(t, d, slots=4, max_len=64, tree=TREE, rounds_per_dispatch=3)
+    engine = Engine(t, d, slots=4, max_len=64, tree=TREE, rounds_per_dispatch=3, ahead=ahead)
     engine.warmup()
     before = compiles()
     reqs = [engine.submit(p, n) for p, n in zip(PROMPTS[:3], MAX_NEW[:3])]
@@ -59,9 +60,10 @@ def test_staggered_arrivals_are_token_identical_to_plain_decoding_and_compile_no
     assert compiles() == before, "something compiled after warm-up"
 
 
-def test_cancel_and_stop_ids_free_their_slots(pair, reference):
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "dispatch-ahead"])
+def test_cancel_and_stop_ids_free_their_slots(pair, reference, ahead):
     t, d = pair
-    engine = Engine(t, d, slots=2, max_len=64, tree=TREE, rounds_per_dispatch=2)
+    engine = Engine(t, d, slots=2, max_len=64, tree=TREE, rounds_per_dispatch=2, ahead=ahead)
     stop_at = reference[1][4]  # a token request 1 emits: it stops there
     keep = engine.submit(PROMPTS[0], MAX_NEW[0])
     stopped = engine.submit(PROMPTS[1], MAX_NEW[1], stop_ids=[stop_at])
@@ -194,7 +196,7 @@ def test_engine_rounds_sample_each_row_from_its_own_settings(tree):
                                          cache_len=64)
         st = PREFILL(*args, **static)
         for _ in range(3):  # each call returns once some row finishes
-            st = ROUNDS(args[0], st, s, np.int32(10), spec=RoundSpec.of(t, d, tree))
+            st, _ = ROUNDS(args[0], st, s, spec=RoundSpec.of(t, d, tree), max_rounds=10)
         toks = np.asarray(st.out_BM)[:, :3]
         assert (np.asarray(st.n_out_B) == 3).all()
         np.add.at(counts, (group, toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]), 1)

@@ -51,7 +51,6 @@ from .slot_table import SlotTable
 from .slots import INSERT, MOVE, RESIZE, RETIRE, ROUNDS
 
 MODES = ("eagle", "vanilla")
-TIMED_ROUNDS = 4  # rounds per timed dispatch when an auto plan is measured
 
 
 def engine_cache_len(max_len: int, trees) -> int:
@@ -98,12 +97,14 @@ class Request:
 class Engine:
     def __init__(self, target: Target, draft: Draft, *, slots: int = 4, max_len: int = 1024,
                  tree=None, plan=None, mode: str = "eagle", eos_token_id: Optional[int] = None,
-                 rounds_per_dispatch: int = 8, seed: int = 0, sampling: bool = True):
+                 rounds_per_dispatch: int = 8, seed: int = 0, sampling: bool = True, ahead: bool = False):
         """`slots`: most rows decoded together (rounded up to a power of two); `max_len`: the longest
         prompt + max_new_tokens a request may ask for; `plan` (or `tree`): one TreeConfig at every load,
         a table {batch size: TreeConfig or None}, "auto" (measured at warm-up, adapted at run time:
         serving.plan), or None: the head's tree.json table, else "auto"; `mode`: "eagle" or "vanilla"
         (plain decoding only). `sampling` False: greedy requests only (half the programs to compile).
+        `ahead`: dispatch the next rounds before handing out the last dispatch's tokens, so the device
+        computes while the host works (tokens then reach requests one step later; a server's choice).
         Nothing runs until `warmup()` or the first `step()`."""
         check_compatible(draft.config, target.config)
         if mode not in MODES:
@@ -130,6 +131,8 @@ class Engine:
         self._slack = max(scratch_slots(t) for t in every)  # checked against the cache bucket
         self.queue: collections.deque = collections.deque()
         self.table = SlotTable(self.slots)  # the host's side of the slots
+        self.ahead = ahead
+        self._pending: collections.deque = collections.deque()  # dispatches whose results are not handed out
         self._ids = itertools.count()
         self.dispatches: collections.Counter = collections.Counter()  # (rows, tree or None: plain) -> count
         self.state = None  # the busy slots' EagleState (self.rows rows), made on first use: every row idle
@@ -208,7 +211,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and not self.running
+        return not self.queue and not self.running and not self._pending
 
     # ---- the loop ---------------------------------------------------------------------------------
     def step(self) -> None:
@@ -225,15 +228,17 @@ class Engine:
                 except Exception as e:  # noqa: BLE001 - this request fails; the state is as before it
                     self.fail(r, e)
         self._pack()
-        if not self.running:
-            return
-        rows = self.rows
-        tree = self.planner.choose(rows) if self.planner is not None else self.plan[rows]
-        self.state = self._dispatch(self.state, tree, self.table.sampling(rows), self.k)
-        self.dispatches[rows, tree] += 1
-        accepted = self._hand_out()
-        if self.planner is not None:
-            self.planner.observe(rows, tree, accepted)
+        dispatched = bool(self.running)
+        if dispatched:
+            rows = self.rows
+            tree = self.planner.choose(rows) if self.planner is not None else self.plan[rows]
+            self.state, result = self._dispatch(self.state, tree, self.table.sampling(rows))
+            for x in jax.tree_util.tree_leaves(result):
+                x.copy_to_host_async()  # the small result travels while the host goes on
+            self._pending.append((result, dict(self.running), rows, tree))
+            self.dispatches[rows, tree] += 1
+        while len(self._pending) > (1 if self.ahead and dispatched else 0):
+            self._hand_out(*self._pending.popleft())
 
     def bucket_for(self, busy: int) -> int:
         """The smallest slot bucket holding `busy` rows."""
@@ -280,8 +285,8 @@ class Engine:
         for b in self.buckets:
             args, static = self._prefill_args([prompt] * b, self.max_len - len(prompt), self.seed, SamplingConfig())
             busy = PREFILL(*args, **static)
-            table[b] = [Choice(t, time_rounds(lambda s, t=t: self._dispatch(s, t, greedy, TIMED_ROUNDS), busy,
-                                              TIMED_ROUNDS), 1.0 if t is None else taus[t]) for t in self.choices[b]]
+            table[b] = [Choice(t, time_rounds(lambda s, t=t: self._dispatch(s, t, greedy)[0], busy),
+                        1.0 if t is None else taus[t]) for t in self.choices[b]]
             if progress:
                 progress(f"timed {b} rows")
         self.planner = Planner(table)
@@ -324,9 +329,9 @@ class Engine:
                     s = SamplingParams.of(SamplingConfig()) if greedy else SamplingParams.rows(
                         np.ones(rows), np.zeros(rows), np.ones(rows))
                     what = "plain" if tree is None else f"tree {tree.depth}/{tree.top_k}/{tree.total_tokens}"
-                    state = counted(ROUNDS, *self._rounds_args(state, s, 0),
+                    state = counted(ROUNDS, self.params, state, s,  # every row idle: no round runs
                                     label=f"rounds {rows} rows, {what}{'' if greedy else ' (sampling)'}",
-                                    **self._rounds_static(tree))
+                                    **self._rounds_static(tree))[0]
         for a in self.buckets:  # every other resize a load change can ask for
             for b in self.buckets:
                 if a != b and (a, b) not in pairs:
@@ -360,15 +365,15 @@ class Engine:
             self.state = RESIZE(self.state, rows=rows)
             self.rows = rows
 
-    def _rounds_args(self, state, sampling, k):
-        return self.params, state, sampling, np.int32(k)
-
     def _rounds_static(self, tree):
-        """A dispatch's spec: plain rounds feed the draft their token unless the engine never drafts."""
-        return dict(spec=RoundSpec.of(self.target, self.draft, tree, catch_up=self.mode != "vanilla"))
+        """A dispatch's spec (plain rounds feed the draft their token unless the engine never drafts)
+        and its bound on rounds."""
+        return dict(spec=RoundSpec.of(self.target, self.draft, tree, catch_up=self.mode != "vanilla"),
+                    max_rounds=self.k)
 
-    def _dispatch(self, state, tree, sampling, k):
-        return ROUNDS(*self._rounds_args(state, sampling, k), **self._rounds_static(tree))
+    def _dispatch(self, state, tree, sampling):
+        """(state, slots.Dispatch) after up to rounds_per_dispatch rounds of `tree` (None: plain)."""
+        return ROUNDS(self.params, state, sampling, **self._rounds_static(tree))
 
     def _admit(self, r: Request, slot: int) -> None:
         seed = r.seed if r.seed is not None else (self.seed + 1 + r.id) % 2 ** 32  # each request its own key
@@ -395,15 +400,17 @@ class Engine:
         for s in slots:
             self.table.clear(s)
 
-    def _hand_out(self) -> list:
-        """Hand each busy row's new tokens to its request, retire finished rows; returns the accept
-        lengths of the rounds this dispatch ran (every busy row's)."""
-        n_out, done, rounds = (to_host(x) for x in (self.state.n_out_B, self.state.done_B, self.state.rounds_B))
-        out = to_host(self.state.out_BM)
-        acc = to_host(self.state.accept_BR)
+    def _hand_out(self, result, owners: dict, rows: int, tree) -> None:
+        """Hand out one dispatch's result (`owners`: slot -> request when it was dispatched): new tokens
+        to each request still holding its row, finished rows retired; the accept lengths to the planner."""
+        toks, n_new, acc, n_rounds, done = (to_host(x) for x in (result.tokens_BJ, result.n_new_B, result.accept_BK,
+                                                                  result.n_rounds_B, result.done_B))
         eos = eos_value(self.eos)
         stopped, accepted = [], []
-        for slot, r, new, new_acc in self.table.new_output(out, n_out, acc, rounds):
+        for slot, r in owners.items():
+            if r.finished or self.running.get(r.slot) is not r:
+                continue  # ended on the host since (a stop id, a cancel): what its row made after is dropped
+            new, new_acc = toks[slot, :n_new[slot]].tolist(), acc[slot, :n_rounds[slot]].tolist()
             r.accept_lengths.extend(new_acc)
             accepted.extend(new_acc)
             hit = next((i for i, t in enumerate(new) if t in r.stop_ids), None)
@@ -416,15 +423,16 @@ class Engine:
                         r.on_tokens(new)
                     except Exception as e:  # noqa: BLE001 - the caller is gone: its request ends, no one else's
                         r.finish_reason, r.error = "error", f"on_tokens: {type(e).__name__}: {e}".splitlines()[0]
-                        stopped.append(slot)
+                        stopped.append(r.slot)
                         continue
             if hit is not None or done[slot]:
                 stop = hit is not None or (r.tokens and r.tokens[-1] == eos)
                 r.finish_reason = "stop" if stop else "length"
-                stopped.append(slot)
+                stopped.append(r.slot)
         if stopped:
             self._retire(stopped)
-        return accepted
+        if self.planner is not None:
+            self.planner.observe(rows, tree, accepted)
 
 
 def compile_programs(target: Target, draft: Draft, *, slots: int = 4, max_len: int = 1024,

@@ -171,9 +171,9 @@ def measure_tau(target, draft, trees, rounds: int = 12) -> dict:
     return {t: acc.measured_tau(t.total_tokens) for t in trees}
 
 
-def time_rounds(run, state, rounds: int, repeats: int = 3) -> float:
-    """Milliseconds per round of `run(state copy)` (a dispatch of up to `rounds` rounds), best of `repeats`
-    after one untimed call; the rounds actually run are read from the state's step counter."""
+def time_rounds(run, state, repeats: int = 3) -> float:
+    """Milliseconds per round of `run(state copy)` (a dispatch of a few rounds), best of `repeats` after
+    one untimed call; the rounds actually run are read from the state's step counter."""
     jax.block_until_ready(run(fresh_copy(state)))
     best = float("inf")
     for _ in range(repeats):

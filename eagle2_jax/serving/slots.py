@@ -6,7 +6,8 @@ A slot is one row of an `eagle.EagleState`; an idle slot is a done row, which ev
 untouched. A request is prefilled on its own (eagle.PREFILL, batch 1, the engine's cache bucket),
 then INSERT writes that one-row state into its slot. The state holds R rows, R the slot bucket (a
 power of two) covering the busy slots, so one request on an eight-slot engine runs batch-1 rounds;
-RESIZE grows it with idle rows or drops idle rows at the end when the load changes bucket. Every
+RESIZE grows it with idle rows or drops idle rows at the end when the load changes bucket. ROUNDS
+returns, beside the state, the dispatch's compact result (`Dispatch`) for the host to copy. Every
 program here is compiled once per (slot bucket, cache bucket, tree or plain, greedy or sampling):
 arrivals, departures, lengths and sampling values are data.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from ..decoding.eagle import EagleState, eagle_round
 from ..decoding.programs import Program
@@ -71,10 +73,24 @@ def retire(st: EagleState, stop_B) -> EagleState:
     return st.replace(done_B=st.done_B | stop_B)
 
 
-def rounds(params, st: EagleState, sampling, max_rounds, *, spec: RoundSpec) -> EagleState:
+@struct.dataclass
+class Dispatch:
+    """What one dispatch of rounds gives the host, small enough to copy whole: each row's new tokens
+    and the accept lengths of the rounds it ran (J = max_rounds * the most tokens a round commits)."""
+    tokens_BJ: jax.Array  # the row's tokens emitted in this dispatch; the first n_new_B hold them
+    n_new_B: jax.Array
+    accept_BK: jax.Array  # K = max_rounds: tokens each round added; the first n_rounds_B hold them
+    n_rounds_B: jax.Array
+    done_B: jax.Array
+
+
+def rounds(params, st: EagleState, sampling, *, spec: RoundSpec, max_rounds: int):
     """Up to `max_rounds` rounds of spec (a tree, or plain decoding steps) over every row, returning early
-    once a row finishes (its slot can then be reused). `sampling`: scalars or one value per row."""
-    done0 = jnp.sum(st.done_B)
+    once a row finishes (its slot can then be reused). `sampling`: scalars or one value per row.
+    Returns (the state, the dispatch's Dispatch)."""
+    done0, r0 = jnp.sum(st.done_B), st.rounds_B
+    # a row's first dispatch also hands out its prefill's token (rows are inserted with n_out 1, no round)
+    n0 = st.n_out_B - ((r0 == 0) & (st.n_out_B > 0)).astype(st.n_out_B.dtype)
 
     def more(carry):
         s, i = carry
@@ -83,11 +99,18 @@ def rounds(params, st: EagleState, sampling, max_rounds, *, spec: RoundSpec) -> 
     def body(carry):
         s, i = carry
         return eagle_round(spec, params, s, sampling), i + 1
-    return jax.lax.while_loop(more, body, (st, jnp.int32(0)))[0]
+    st = jax.lax.while_loop(more, body, (st, jnp.int32(0)))[0]
+    J = max_rounds * (1 if spec.tree is None else spec.tree.max_accept) + 1
+
+    def window(buf, start, n):
+        idx = jnp.minimum(start[:, None] + jnp.arange(n, dtype=jnp.int32)[None], buf.shape[1] - 1)
+        return jnp.take_along_axis(buf, idx, axis=1, mode="promise_in_bounds")
+    return st, Dispatch(window(st.out_BM, n0, J), st.n_out_B - n0, window(st.accept_BR, r0, max_rounds),
+                        st.rounds_B - r0, st.done_B)
 
 
 INSERT = Program(insert, (), donate=("st",))
 MOVE = Program(move, (), donate=("st",))
 RETIRE = Program(retire, (), donate=("st",))
 RESIZE = Program(resize, ("rows",))  # new shapes: nothing to donate
-ROUNDS = Program(rounds, ("spec",), donate=("st",), loop=True)
+ROUNDS = Program(rounds, ("spec", "max_rounds"), donate=("st",), loop=True)
