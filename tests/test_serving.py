@@ -266,3 +266,12 @@ def test_plans_from_the_command_line():
     for bad in ("1=5/10", "x=plain", "0=plain", "1=5/10/60/2"):
         with pytest.raises(ValueError, match="plan"):
             parse_plan(bad)
+
+
+def test_plain_rounds_feed_the_draft_only_where_a_tree_may_follow(pair):
+    """Catch-up in plain rounds is work only a later tree needs: a plan with a tree somewhere keeps it,
+    a plan of plain rounds everywhere (and vanilla mode) skips it."""
+    t, d = pair
+    assert Engine(t, d, slots=2, max_len=64, plan={1: TREE, 2: None}).catch_up
+    assert not Engine(t, d, slots=2, max_len=64, plan={1: None}).catch_up
+    assert not Engine(t, d, slots=2, max_len=64, plan=TREE, mode="vanilla").catch_up

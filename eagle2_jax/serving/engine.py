@@ -123,6 +123,8 @@ class Engine:
                         for b in self.buckets}
         self.plan = {b: trees[-1] for b in self.buckets} if self.auto else fixed  # auto: measured at warm-up
         self.planner: Optional[Planner] = None
+        # plain rounds feed the draft only where a tree may follow them (a plan without trees never drafts)
+        self.catch_up = mode != "vanilla" and (self.auto or any(t is not None for t in fixed.values()))
         self.eos, self.max_len, self.k, self.seed = eos_token_id, max_len, rounds_per_dispatch, seed
         self.modes = (True, False) if sampling else (True,)  # greedy program, sampling program
         every = [t for cs in self.choices.values() for t in cs]
@@ -264,6 +266,10 @@ class Engine:
         jax.block_until_ready(self.state)
         if self.auto:
             self._measure_plan(progress)
+            if all(t is None for t in self.plan.values()):  # no tree pays anywhere: the planner cannot move
+                self.catch_up = False  # (it learns only from tree rounds), so plain rounds skip the draft
+                self._programs(lambda program, *args, label, **static: program(*args, **static), self._idle_state())
+                n += len(self.buckets) * len(self.modes)  # the plain rounds without catch-up, new; the rest cached
         return n
 
     def describe_plan(self) -> str:
@@ -366,10 +372,9 @@ class Engine:
             self.rows = rows
 
     def _rounds_static(self, tree):
-        """A dispatch's spec (plain rounds feed the draft their token unless the engine never drafts)
-        and its bound on rounds."""
-        return dict(spec=RoundSpec.of(self.target, self.draft, tree, catch_up=self.mode != "vanilla"),
-                    max_rounds=self.k)
+        """A dispatch's spec (plain rounds feed the draft their token where a tree may follow) and its
+        bound on rounds."""
+        return dict(spec=RoundSpec.of(self.target, self.draft, tree, catch_up=self.catch_up), max_rounds=self.k)
 
     def _dispatch(self, state, tree, sampling):
         """(state, slots.Dispatch) after up to rounds_per_dispatch rounds of `tree` (None: plain)."""
