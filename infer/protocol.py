@@ -102,7 +102,7 @@ class _Sampling(_Strict):
     stop: Union[None, Str(min_length=1), Annotated[list[Str(min_length=1)], Field(max_length=MAX_STOPS)]] = None
     stream: Bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[Str()] = None  # an identifier for the caller's own records; nothing to do with decoding
+    user: Optional[Str(max_length=0, description="not supported: only null or empty")] = None
     # accepted only at the value that means "off"; anything else is refused with a 400 naming the field
     presence_penalty: Float(ge=0, le=0, description="not supported: only 0") = 0.0
     frequency_penalty: Float(ge=0, le=0, description="not supported: only 0") = 0.0
@@ -156,7 +156,7 @@ class ChatRequest(_Sampling):
     response_format: Optional[dict[str, Any]] = Field(None, description='not supported: only {"type": "text"}')
     tools: Optional[Annotated[list[Any], Field(max_length=0, description="not supported: only null or []")]] = None
     tool_choice: Optional[Literal["none"]] = Field(None, description='not supported: only "none"')
-    parallel_tool_calls: Optional[Bool] = None
+    parallel_tool_calls: Optional[Literal[None]] = Field(None, description="not supported: only null (no tools)")
 
     @model_validator(mode="after")
     def _off(self):
@@ -170,7 +170,9 @@ class ChatRequest(_Sampling):
 
 UNSUPPORTED = {"presence_penalty": "0", "frequency_penalty": "0", "logit_bias": "null or {}", "echo": "false",
                "logprobs": "false / null / 0", "top_logprobs": "null or 0", "response_format": '{"type": "text"}',
-               "tools": "null or []", "tool_choice": '"none"', "suffix": "null or \"\"", "best_of": "1", "n": "1"}
+               "tools": "null or []", "tool_choice": '"none"',
+               "user": "null or \"\"", "parallel_tool_calls": "null", "suffix": "null or \"\"", "best_of": "1",
+               "n": "1"}
 UNION_TYPES = {  # what a field of several accepted shapes takes, said once (pydantic lists every branch)
     "prompt": "must be a string, a list of token ids in [0, 2**31), or a list holding one of those "
               "(one prompt per request)",

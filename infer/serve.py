@@ -194,7 +194,7 @@ def build_app(engine: Engine, tokenizer, model_name: str, queue_limit: int = 64,
             raise OpenAIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                               "model", "not_found_error")
         if endpoint == "chat":
-            msgs = [{"role": m.role, "content": m.text} for m in body.messages]
+            msgs = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})} for m in body.messages]
             try:
                 text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # noqa: BLE001 - the template's own rule (e.g. roles must alternate)

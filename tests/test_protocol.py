@@ -44,7 +44,8 @@ def check(model, body):
     ({"logit_bias": {"5": 10}}, "logit_bias"), ({"logprobs": True}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
-    ({"frobnicate": 1}, "frobnicate"), ({"model": 3}, "model"),
+    ({"frobnicate": 1}, "frobnicate"), ({"model": 3}, "model"), ({"user": "u1"}, "user"),
+    ({"parallel_tool_calls": True}, "parallel_tool_calls"),
 ])
 def test_chat_fields_are_typed_bounded_and_named(extra, param):
     got = check(ChatRequest, {**CHAT, **extra})
@@ -55,7 +56,7 @@ def test_chat_fields_are_typed_bounded_and_named(extra, param):
 
 @pytest.mark.parametrize("body", [
     {**CHAT, "max_tokens": 2.0, "temperature": 0.5, "top_k": 2 ** 31 - 1, "seed": 2 ** 32 - 1},
-    {**CHAT, "stop": "x", "stream": True, "stream_options": {"include_usage": True}, "user": "u1"},
+    {**CHAT, "stop": "x", "stream": True, "stream_options": {"include_usage": True}, "user": None},
     {**CHAT, "presence_penalty": 0, "logprobs": False, "tools": [], "tool_choice": "none", "logit_bias": {},
      "response_format": {"type": "text"}, "n": 1},
     {"messages": [{"role": "system", "content": "Be brief."},

@@ -223,6 +223,14 @@ def test_the_largest_values_that_fit_are_served(server, smollm2):
             assert r["choices"][0]["text"] == want
 
 
+def test_a_named_message_reaches_the_chat_template(server):
+    """`name` is passed to the template with its message (honoured as far as the template uses it)."""
+    url, _ = server
+    status, reply = raw_post(url, "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "Hi", "name": "ada"}], "max_tokens": 4}).encode())
+    assert status == 200 and reply["choices"][0]["message"]["role"] == "assistant"
+
+
 # ---- stop strings, usage, abandoned requests, body size -------------------------------------------------
 
 def test_streamed_stop_strings_equal_the_whole_answer_and_usage_counts_what_was_returned(server, smollm2):
